@@ -1,0 +1,43 @@
+"""Test configuration: float64, four host CPU devices, and a `getkey` fixture.
+
+The environment must be set before JAX is imported anywhere, so this file sets it at import time.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+
+@pytest.fixture
+def getkey():
+    """Returns a function that hands out a fresh PRNG key on every call (deterministic per test)."""
+    key = jax.random.key(0)
+
+    def _getkey():
+        nonlocal key
+        key, subkey = jax.random.split(key)
+        return subkey
+
+    return _getkey
+
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# JAX compiles on first call, so per-example deadlines are meaningless; keep the example count modest
+# so the whole suite stays within CI's budget on two cores.
+settings.register_profile(
+    "eqx_kfac",
+    deadline=None,
+    max_examples=20,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("eqx_kfac")
