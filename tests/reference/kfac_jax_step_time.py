@@ -1,0 +1,163 @@
+"""Per-step time of kfac-jax 0.0.8 vs optax Adam on the K-FAC paper's deep autoencoder (issue 10).
+
+This is the Haiku twin of the performance model of `benchmarks/` (784-1000-500-250-30-250-500-
+1000-784, tanh on every hidden layer, linear output logits, sigmoid cross-entropy summed over the
+784 outputs and averaged over the batch, binary inputs, B=512, float32). It must run in the peer
+venv (jax 0.8.2 + kfac-jax + dm-haiku + optax), never in the main venv:
+
+    /work/peervenv/bin/python tests/reference/kfac_jax_step_time.py            # full size
+    /work/peervenv/bin/python tests/reference/kfac_jax_step_time.py --quick    # smoke run
+
+Timed steps (each already compiled; the step functions are called exactly as a user calls them):
+- `adam`: `optax.adam(1e-3)` inside one `jax.jit` (value_and_grad + update + apply_updates);
+- `kfac_adaptive`: `kfac_jax.Optimizer` with adaptive learning rate, momentum and damping
+  (initial damping 1.0, interval 5), `estimation_mode="ggn_curvature_prop"`;
+- `kfac_fixed`: the same with fixed learning rate 1e-3, momentum 0.9, damping 1e-2.
+Both K-FAC settings use `inverse_update_period=5`, `curvature_ema=0.95`, `l2_reg=1e-5` (added
+to the loss as `l2_reg / 2 * sum(p**2)`), `num_burnin_steps=0`, `multi_device=False`.
+One round runs `--steps-per-round` consecutive steps (default 5 = one inverse-update period, so a
+round's mean includes exactly one inverse update and one damping update) of each method in turn
+(A B C A B C ...); the table reports the median over rounds of the per-step mean time, and
+ratios to Adam.
+"""
+
+import argparse
+import statistics
+import time
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import kfac_jax
+import optax
+
+AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
+L2_REG = 1e-5
+
+
+def make_loss(sizes):
+    """Haiku autoencoder loss (mean sigmoid cross-entropy + l2_reg/2 * |params|^2)."""
+
+    def logits_fn(x):
+        h = x
+        for i, n in enumerate(sizes[1:]):
+            h = hk.Linear(n, name=f"linear_{i}")(h)
+            if i < len(sizes) - 2:
+                h = jnp.tanh(h)
+        return h
+
+    net = hk.without_apply_rng(hk.transform(logits_fn))
+
+    def loss(params, batch):
+        logits = net.apply(params, batch)
+        kfac_jax.register_sigmoid_cross_entropy_loss(logits, batch)
+        per_example = jnp.sum(jax.nn.softplus(logits) - batch * logits, axis=-1)
+        reg = 0.5 * L2_REG * sum(jnp.sum(p**2) for p in jax.tree.leaves(params))
+        return jnp.mean(per_example) + reg
+
+    return net, loss
+
+
+def make_kfac(loss, adaptive):
+    common = dict(
+        value_and_grad_func=jax.value_and_grad(loss),
+        l2_reg=L2_REG,
+        estimation_mode="ggn_curvature_prop",
+        inverse_update_period=5,
+        curvature_ema=0.95,
+        num_burnin_steps=0,
+        multi_device=False,
+    )
+    if adaptive:
+        return kfac_jax.Optimizer(
+            use_adaptive_learning_rate=True,
+            use_adaptive_momentum=True,
+            use_adaptive_damping=True,
+            initial_damping=1.0,
+            damping_adaptation_interval=5,
+            **common,
+        ), {}
+    step_kwargs = dict(
+        learning_rate=jnp.asarray(1e-3, jnp.float32),
+        momentum=jnp.asarray(0.9, jnp.float32),
+        damping=jnp.asarray(1e-2, jnp.float32),
+    )
+    return kfac_jax.Optimizer(**common), step_kwargs
+
+
+def block(tree):
+    return jax.tree.map(lambda a: a.block_until_ready(), tree)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps-per-round", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--quick", action="store_true", help="widths / 10, 2 rounds")
+    args = parser.parse_args()
+    sizes = AUTOENCODER
+    rounds = args.rounds
+    if args.quick:
+        sizes = tuple(max(2, s // 10) for s in sizes)
+        rounds = min(rounds, 2)
+
+    net, loss = make_loss(sizes)
+    x = (jax.random.uniform(jax.random.PRNGKey(1), (args.batch_size, sizes[0])) > 0.5)
+    x = x.astype(jnp.float32)
+    params0 = net.init(jax.random.PRNGKey(0), x)
+
+    adam = optax.adam(1e-3)
+
+    @jax.jit
+    def adam_step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = adam.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    runners = {}
+    adam_carry = [jax.tree.map(jnp.copy, params0), adam.init(params0)]
+
+    def run_adam(n):
+        for _ in range(n):
+            adam_carry[0], adam_carry[1], _ = adam_step(adam_carry[0], adam_carry[1], x)
+        block(adam_carry[0])
+
+    runners["adam"] = run_adam
+
+    for name, adaptive in (("kfac_adaptive", True), ("kfac_fixed", False)):
+        opt, step_kwargs = make_kfac(loss, adaptive)
+        carry = [jax.tree.map(jnp.copy, params0), None, jax.random.PRNGKey(2)]
+        carry[1] = opt.init(carry[0], jax.random.PRNGKey(3), x)
+
+        def run_kfac(n, opt=opt, carry=carry, step_kwargs=step_kwargs):
+            for _ in range(n):
+                carry[2], key = jax.random.split(carry[2])
+                carry[0], carry[1], _ = opt.step(carry[0], carry[1], key, batch=x,
+                                                 **step_kwargs)
+            block(carry[0])
+
+        runners[name] = run_kfac
+
+    # Compile every variant (kfac-jax compiles separately the steps that adapt the damping).
+    for run in runners.values():
+        run(2 * args.steps_per_round)
+
+    times = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run(args.steps_per_round)
+            times[name].append((time.perf_counter() - start) / args.steps_per_round)
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; sizes {sizes}; "
+          f"B={args.batch_size}; {rounds} rounds x {args.steps_per_round} steps (alternated)")
+    adam_median = statistics.median(times["adam"])
+    print(f"{'method':<16}{'median ms/step':>16}{'x Adam':>10}")
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        print(f"{name:<16}{1e3 * median:>16.2f}{median / adam_median:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
