@@ -1,5 +1,61 @@
 """eqx_kfac: K-FAC second-order optimization and curvature estimation for JAX and Equinox."""
 
+from ._blocks import (
+    Conv2DDiagonal as Conv2DDiagonal,
+    Conv2DFull as Conv2DFull,
+    Conv2DTwoKroneckerFactored as Conv2DTwoKroneckerFactored,
+    CurvatureBlock as CurvatureBlock,
+    DenseDiagonal as DenseDiagonal,
+    DenseFull as DenseFull,
+    DenseTwoKroneckerFactored as DenseTwoKroneckerFactored,
+    Diagonal as Diagonal,
+    Full as Full,
+    KroneckerFactored as KroneckerFactored,
+    NaiveDiagonal as NaiveDiagonal,
+    NaiveFull as NaiveFull,
+    ScaleAndShiftDiagonal as ScaleAndShiftDiagonal,
+    ScaleAndShiftFull as ScaleAndShiftFull,
+    ScaledIdentity as ScaledIdentity,
+)
+from ._graph_matcher import (
+    DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS,
+    GraphPattern as GraphPattern,
+    auto_register_tags as auto_register_tags,
+)
 from ._layer_data import EstimationData as EstimationData, LayerSpec as LayerSpec
+from ._operators import (
+    BlockDiagonalOperator as BlockDiagonalOperator,
+    eigenvalues as eigenvalues,
+    frobenius_norm as frobenius_norm,
+    kronecker_damped_matpower as kronecker_damped_matpower,
+    kronecker_damped_solve as kronecker_damped_solve,
+    kronecker_eigh as kronecker_eigh,
+    KroneckerEigenSolver as KroneckerEigenSolver,
+    KroneckerEigh as KroneckerEigh,
+    KroneckerOperator as KroneckerOperator,
+    KroneckerPiAdjustedSolver as KroneckerPiAdjustedSolver,
+    logdet as logdet,
+    pi_adjusted_damped_factors as pi_adjusted_damped_factors,
+    pi_adjusted_inverse as pi_adjusted_inverse,
+    trace as trace,
+)
+from ._patches import (
+    patches_moments as patches_moments,
+    patches_moments_explicit as patches_moments_explicit,
+)
+from ._tags import (
+    LayerTag as LayerTag,
+    LossTag as LossTag,
+    register_conv2d as register_conv2d,
+    register_dense as register_dense,
+    register_generic as register_generic,
+    register_scale_and_shift as register_scale_and_shift,
+)
+from ._tracer import (
+    layer_tags_vjp as layer_tags_vjp,
+    loss_tags_hvp as loss_tags_hvp,
+    loss_tags_jvp as loss_tags_jvp,
+    loss_tags_vjp as loss_tags_vjp,
+)
 
 __version__ = "0.1.0"

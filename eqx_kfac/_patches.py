@@ -1,0 +1,408 @@
+"""Second moments of convolution patches, the input statistics of Kronecker-factored conv blocks.
+
+A patch is the window of the (padded, dilated) input that one output location of a convolution
+reads: `prod(kernel_spatial_shape) * channels` numbers. For a batch of images, the functions here
+return the sum over examples and output locations of the (optionally weighted) outer products of
+the patches with themselves, and the matching sum of the patches, as kfac-jax's functions of the
+same names do.
+
+`patches_moments` never materialises the patches: it loops over the kernel offsets and, for each,
+contracts the input window seen by that offset against the whole input with one convolution, so
+its memory is that of the input. `patches_moments_explicit` extracts all patches with
+`jax.lax.conv_general_dilated_patches` (memory `prod(kernel_spatial_shape)` times the input's);
+it is the reference the tests compare against.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Shaped
+
+
+_DATA_FORMAT_ALIASES = {"channels_last": "NHWC", "channels_first": "NCHW"}
+
+IntOrInts = int | Sequence[int]
+Padding = str | int | Sequence[int] | Sequence[tuple[int, int]]
+DimensionNumbers = lax.ConvDimensionNumbers | tuple[str, str, str]
+
+
+class _Geometry(NamedTuple):
+    """A convolution's layout and window, normalised to one tuple entry per spatial dimension."""
+
+    lhs_spec: tuple[int, ...]
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    inputs_dilation: tuple[int, ...]
+    kernel_dilation: tuple[int, ...]
+    output_spatial: tuple[int, ...]
+    per_channel: bool
+
+    @property
+    def num_spatial(self) -> int:
+        return len(self.kernel)
+
+
+def _as_tuple(name: str, value: IntOrInts | None, n: int) -> tuple[int, ...]:
+    if value is None:
+        return (1,) * n
+    if isinstance(value, (int, np.integer)):
+        return (int(value),) * n
+    value = tuple(int(v) for v in value)
+    if len(value) != n:
+        raise ValueError(
+            f"patches_moments: `{name}` must be an int or have one entry per spatial dimension "
+            f"({n}), got {value}."
+        )
+    return value
+
+
+def _lhs_spec(ndim: int, data_format: str | None, dimension_numbers: DimensionNumbers | None):
+    if dimension_numbers is not None:
+        if isinstance(dimension_numbers, lax.ConvDimensionNumbers):
+            return tuple(dimension_numbers.lhs_spec)
+        if isinstance(dimension_numbers, tuple) and len(dimension_numbers) == 3:
+            data_format = dimension_numbers[0]
+        else:
+            raise TypeError(
+                "patches_moments: `dimension_numbers` must be a `lax.ConvDimensionNumbers` or a "
+                f"tuple of three layout strings such as ('NCHW', 'OIHW', 'NCHW'), got "
+                f"{dimension_numbers!r}."
+            )
+    if data_format is None:
+        raise ValueError("patches_moments: give `data_format` or `dimension_numbers`.")
+    fmt = _DATA_FORMAT_ALIASES.get(data_format, data_format)
+    if (
+        len(fmt) != ndim
+        or len(set(fmt)) != ndim
+        or fmt.count("N") != 1
+        or fmt.count("C") != 1
+    ):
+        raise ValueError(
+            f"patches_moments: data format {data_format!r} does not describe inputs of rank "
+            f"{ndim}: it needs one 'N', one 'C' and {ndim - 2} distinct spatial letters "
+            "(e.g. 'NHWC', 'NCHW', 'channels_last', 'channels_first')."
+        )
+    spatial = tuple(i for i, letter in enumerate(fmt) if letter not in "NC")
+    return (fmt.index("N"), fmt.index("C"), *spatial)
+
+
+def _geometry(
+    inputs_shape: tuple[int, ...],
+    kernel_spatial_shape: IntOrInts,
+    strides: IntOrInts,
+    padding: Padding,
+    data_format: str | None,
+    dimension_numbers: DimensionNumbers | None,
+    inputs_dilation: IntOrInts | None,
+    kernel_dilation: IntOrInts | None,
+    feature_group_count: int,
+) -> _Geometry:
+    ndim = len(inputs_shape)
+    if ndim < 3:
+        raise ValueError(
+            f"patches_moments: inputs must have a batch, a channel and at least one spatial "
+            f"dimension, got shape {inputs_shape}."
+        )
+    n = ndim - 2
+    lhs_spec = _lhs_spec(ndim, data_format, dimension_numbers)
+    kernel = _as_tuple("kernel_spatial_shape", kernel_spatial_shape, n)
+    strides = _as_tuple("strides", strides, n)
+    inputs_dilation = _as_tuple("inputs_dilation", inputs_dilation, n)
+    kernel_dilation = _as_tuple("kernel_dilation", kernel_dilation, n)
+    if min(kernel + strides + inputs_dilation + kernel_dilation) < 1:
+        raise ValueError(
+            "patches_moments: kernel sizes, strides and dilations must be positive, got "
+            f"kernel {kernel}, strides {strides}, dilations {inputs_dilation}, {kernel_dilation}."
+        )
+    in_spatial = tuple(inputs_shape[i] for i in lhs_spec[2:])
+    effective_kernel = tuple((k - 1) * d + 1 for k, d in zip(kernel, kernel_dilation))
+    if isinstance(padding, str):
+        if inputs_dilation != (1,) * n:
+            raise ValueError(
+                f"patches_moments: string padding {padding!r} is undefined with "
+                f"`inputs_dilation` {inputs_dilation} (as in `lax.conv_general_dilated`): give "
+                "explicit (low, high) pairs."
+            )
+        # As `lax.conv_general_dilated` does: string padding is computed from the undilated input.
+        pads = tuple(
+            tuple(p) for p in lax.padtype_to_pads(in_spatial, effective_kernel, strides, padding)
+        )
+    elif isinstance(padding, (int, np.integer)):
+        pads = ((int(padding), int(padding)),) * n
+    else:
+        pads = tuple(
+            (int(p), int(p)) if isinstance(p, (int, np.integer)) else (int(p[0]), int(p[1]))
+            for p in padding
+        )
+        if len(pads) != n:
+            raise ValueError(
+                f"patches_moments: `padding` needs one (low, high) pair per spatial dimension "
+                f"({n}), got {padding}."
+            )
+    dilated = tuple((s - 1) * d + 1 for s, d in zip(in_spatial, inputs_dilation))
+    padded = tuple(s + lo + hi for s, (lo, hi) in zip(dilated, pads))
+    if any(p < k for p, k in zip(padded, effective_kernel)):
+        raise ValueError(
+            f"patches_moments: the padded input's spatial shape {padded} is smaller than the "
+            f"(dilated) kernel {effective_kernel}: the convolution has no output location."
+        )
+    output_spatial = tuple((p - k) // s + 1 for p, k, s in zip(padded, effective_kernel, strides))
+    channels = inputs_shape[lhs_spec[1]]
+    if feature_group_count not in (1, channels):
+        raise ValueError(
+            f"patches_moments: `feature_group_count` must be 1 (an ordinary convolution) or the "
+            f"number of input channels {channels} (depthwise), got {feature_group_count}: the "
+            "patches of a grouped convolution have no single second moment."
+        )
+    return _Geometry(
+        lhs_spec=lhs_spec,
+        kernel=kernel,
+        strides=strides,
+        padding=pads,
+        inputs_dilation=inputs_dilation,
+        kernel_dilation=kernel_dilation,
+        output_spatial=output_spatial,
+        per_channel=feature_group_count != 1,
+    )
+
+
+def _weights(
+    weighting_array: Shaped[Array, "..."] | None, batch: int, geometry: _Geometry, dtype
+) -> Array:
+    """The weighting array shaped `(batch, *output_spatial)`, or a scalar one."""
+    if weighting_array is None:
+        return jnp.ones((), dtype)
+    shape = tuple(weighting_array.shape)
+    full = (batch, *geometry.output_spatial)
+    if shape == (batch,):
+        return weighting_array.astype(dtype).reshape((batch,) + (1,) * geometry.num_spatial)
+    if shape == full:
+        return weighting_array.astype(dtype)
+    raise ValueError(
+        f"patches_moments: `weighting_array` must have shape (batch,) = {(batch,)} or "
+        f"(batch, *output_spatial) = {full}, got {shape}."
+    )
+
+
+def _compute_dtype(dtype) -> jnp.dtype:
+    # Statistics accumulate in float32 or wider, even for low-precision inputs.
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def patches_moments(
+    inputs: Float[Array, "..."],
+    kernel_spatial_shape: IntOrInts,
+    strides: IntOrInts = 1,
+    padding: Padding = "VALID",
+    data_format: str | None = "NHWC",
+    feature_group_count: int = 1,
+    precision: lax.Precision | None = None,
+    weighting_array: Float[Array, "..."] | None = None,
+    *,
+    dimension_numbers: DimensionNumbers | None = None,
+    inputs_dilation: IntOrInts | None = None,
+    kernel_dilation: IntOrInts | None = None,
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """Sums of the outer products of a convolution's input patches, and of the patches.
+
+    For the convolution `lax.conv_general_dilated(inputs, kernel, strides, padding,
+    inputs_dilation, kernel_dilation, ...)` with a kernel of spatial shape `kernel_spatial_shape`,
+    let `p[n, l]` be the patch that output location `l` of example `n` reads, laid out as
+    `kernel_spatial_shape + (channels,)` (spatial offsets first, channels last, whatever the data
+    format). This returns
+
+    - `second = Σ_{n, l} w[n, l] · p[n, l] ⊗ p[n, l]`, of shape
+      `kernel_spatial_shape + (channels,) + kernel_spatial_shape + (channels,)`, and
+    - `first = Σ_{n, l} w[n, l] · p[n, l]`, of shape `kernel_spatial_shape + (channels,)`,
+
+    where `w` is `weighting_array` (all ones by default). These are sums, not means, as in
+    kfac-jax: divide by `batch * prod(output_spatial)` for the moments. A Kronecker-factored conv
+    block builds its input factor `[[second, first], [firstᵀ, Σ w]]` from them (the appended
+    constant 1 of the bias).
+
+    For a depthwise convolution (`feature_group_count == channels > 1`) each output channel sees a
+    single input channel, so only the per-channel moments are formed: `second` then has shape
+    `kernel_spatial_shape + kernel_spatial_shape + (channels,)`; `first` is unchanged.
+
+    The patches are never materialised: the cost is that of `prod(kernel_spatial_shape)`
+    convolutions of the input with one window of itself, the memory that of the input.
+
+    **Arguments:**
+
+    - `inputs`: the batch of images, laid out as `data_format` (or `dimension_numbers`) says.
+    - `kernel_spatial_shape`: the kernel's spatial sizes (an int for all spatial dimensions), in
+      the order of the spatial dimensions of the layout (`(H, W)` for `NHWC` and `NCHW`).
+    - `strides`: the window strides (int or one per spatial dimension).
+    - `padding`: `"VALID"`, `"SAME"`, `"SAME_LOWER"`, an int, or one `(low, high)` pair (or int)
+      per spatial dimension, with `lax.conv_general_dilated`'s meaning.
+    - `data_format`: the inputs' layout: `"NHWC"` (`"channels_last"`), `"NCHW"`
+      (`"channels_first"`), or any string with one `N`, one `C` and spatial letters.
+    - `feature_group_count`: 1, or the number of input channels for a depthwise convolution.
+    - `precision`: the precision of the convolutions (see `lax.conv_general_dilated`).
+    - `weighting_array`: optional weights of shape `(batch,)` or `(batch, *output_spatial)`
+      (output spatial sizes in the order of the spatial dimensions).
+    - `dimension_numbers`: a `lax.ConvDimensionNumbers` or a tuple of three layout strings; when
+      given, its input layout replaces `data_format`.
+    - `inputs_dilation`, `kernel_dilation`: `lax.conv_general_dilated`'s `lhs_dilation` and
+      `rhs_dilation` (int or one per spatial dimension; default 1).
+
+    **Returns:**
+
+    The pair `(second, first)`, in float32 or the inputs' dtype if wider.
+    """
+    geometry = _geometry(
+        tuple(inputs.shape),
+        kernel_spatial_shape,
+        strides,
+        padding,
+        data_format,
+        dimension_numbers,
+        inputs_dilation,
+        kernel_dilation,
+        feature_group_count,
+    )
+    n = geometry.num_spatial
+    dtype = _compute_dtype(inputs.dtype)
+    # Channels last, spatial in order: `(batch, *spatial, channels)`.
+    x = jnp.transpose(inputs, (geometry.lhs_spec[0], *geometry.lhs_spec[2:], geometry.lhs_spec[1]))
+    x = x.astype(dtype)
+    batch, channels = x.shape[0], x.shape[-1]
+    # Dilate and pad at once; then crop to the extent the output locations reach, so that the
+    # convolution below yields exactly one value per kernel offset.
+    spatial_config = [
+        (lo, hi, d - 1) for (lo, hi), d in zip(geometry.padding, geometry.inputs_dilation)
+    ]
+    x = lax.pad(x, jnp.zeros((), dtype), [(0, 0, 0), *spatial_config, (0, 0, 0)])
+    window = tuple((o - 1) * s + 1 for o, s in zip(geometry.output_spatial, geometry.strides))
+    extent = tuple(
+        w + (k - 1) * d for w, k, d in zip(window, geometry.kernel, geometry.kernel_dilation)
+    )
+    x = x[(slice(None), *(slice(0, e) for e in extent), slice(None))]
+    weights = _weights(weighting_array, batch, geometry, dtype)[..., None]
+    spatial_axes = tuple(range(1, n + 1))
+
+    if geometry.per_channel:
+        # Channel-major features `(channels * batch)` in `channels` groups: each group contracts
+        # the batch of one channel only.
+        lhs = jnp.moveaxis(x, -1, 0).reshape(1, channels * batch, *extent)
+        standard = tuple(range(n + 2))
+        dnums = lax.ConvDimensionNumbers(standard, standard, standard)
+    else:
+        # Batch as the contracted feature axis, channels of the full input as the conv batch.
+        lhs = x
+        layout = (n + 1, 0, *spatial_axes)
+        dnums = lax.ConvDimensionNumbers(layout, layout, layout)
+
+    def one_offset(offset):
+        zero = jnp.zeros((), offset.dtype)
+        start = (zero, *(offset * np.asarray(geometry.kernel_dilation, np.int32)), zero)
+        piece = lax.dynamic_slice(x, start, (batch, *window, channels))
+        piece = piece[(slice(None), *(slice(None, None, s) for s in geometry.strides), slice(None))]
+        piece = piece * weights
+        first = jnp.sum(piece, axis=(0, *spatial_axes))
+        if geometry.per_channel:
+            rhs = jnp.moveaxis(piece, -1, 0)
+            feature_groups = channels
+        else:
+            rhs = piece
+            feature_groups = 1
+        # out[c, *offset', c'] = Σ_{n, l} piece[n, l, c] x[n, l·stride + offset'·dilation, c'].
+        second = lax.conv_general_dilated(
+            lhs,
+            rhs,
+            window_strides=geometry.kernel_dilation,
+            padding="VALID",
+            rhs_dilation=geometry.strides,
+            dimension_numbers=dnums,
+            feature_group_count=feature_groups,
+            precision=precision,
+        )
+        if geometry.per_channel:
+            second = jnp.moveaxis(second[0], 0, -1)
+        return second, first
+
+    offsets = jnp.asarray(list(np.ndindex(*geometry.kernel)), dtype=jnp.int32)
+    second, first = lax.map(one_offset, offsets)
+    if geometry.per_channel:
+        second = second.reshape(geometry.kernel + geometry.kernel + (channels,))
+    else:
+        second = second.reshape(geometry.kernel + (channels,) + geometry.kernel + (channels,))
+    return second, first.reshape(geometry.kernel + (channels,))
+
+
+def patches_moments_explicit(
+    inputs: Float[Array, "..."],
+    kernel_spatial_shape: IntOrInts,
+    strides: IntOrInts = 1,
+    padding: Padding = "VALID",
+    data_format: str | None = "NHWC",
+    feature_group_count: int = 1,
+    precision: lax.Precision | None = None,
+    weighting_array: Float[Array, "..."] | None = None,
+    *,
+    dimension_numbers: DimensionNumbers | None = None,
+    inputs_dilation: IntOrInts | None = None,
+    kernel_dilation: IntOrInts | None = None,
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """The same as [`eqx_kfac.patches_moments`][], computed by materialising the patches.
+
+    The patches come from `jax.lax.conv_general_dilated_patches`, so memory grows with
+    `prod(kernel_spatial_shape)` times the size of the input; use it as a reference.
+
+    **Arguments:**
+
+    The same as [`eqx_kfac.patches_moments`][].
+
+    **Returns:**
+
+    The pair `(second, first)`, shaped as for [`eqx_kfac.patches_moments`][].
+    """
+    geometry = _geometry(
+        tuple(inputs.shape),
+        kernel_spatial_shape,
+        strides,
+        padding,
+        data_format,
+        dimension_numbers,
+        inputs_dilation,
+        kernel_dilation,
+        feature_group_count,
+    )
+    n = geometry.num_spatial
+    dtype = _compute_dtype(inputs.dtype)
+    batch, channels = inputs.shape[geometry.lhs_spec[0]], inputs.shape[geometry.lhs_spec[1]]
+    # Output in the inputs' layout; the filter layout only matters to the identity kernel
+    # `conv_general_dilated_patches` builds, so use the plain `OI<spatial>`.
+    dnums = lax.ConvDimensionNumbers(geometry.lhs_spec, tuple(range(n + 2)), geometry.lhs_spec)
+    patches = lax.conv_general_dilated_patches(
+        inputs.astype(dtype),
+        filter_shape=geometry.kernel,
+        window_strides=geometry.strides,
+        padding=geometry.padding,
+        lhs_dilation=geometry.inputs_dilation,
+        rhs_dilation=geometry.kernel_dilation,
+        dimension_numbers=dnums,
+        precision=precision,
+    )
+    patches = jnp.transpose(
+        patches, (geometry.lhs_spec[0], *geometry.lhs_spec[2:], geometry.lhs_spec[1])
+    )
+    kernel_size = math.prod(geometry.kernel)
+    # The patch features are ordered channel-major: `(channels, *kernel)`.
+    patches = patches.reshape(-1, channels, kernel_size).transpose(0, 2, 1)
+    weights = _weights(weighting_array, batch, geometry, dtype)
+    weights = jnp.broadcast_to(weights, (batch, *geometry.output_spatial)).reshape(-1, 1, 1)
+    weighted = weights * patches
+    first = jnp.sum(weighted, axis=0).reshape(geometry.kernel + (channels,))
+    if geometry.per_channel:
+        second = jnp.einsum("lkc,ljc->kjc", weighted, patches, precision=precision)
+        return second.reshape(geometry.kernel + geometry.kernel + (channels,)), first
+    flat = patches.reshape(patches.shape[0], kernel_size * channels)
+    second = weighted.reshape(flat.shape).T @ flat
+    shape = geometry.kernel + (channels,)
+    return second.reshape(shape + shape), first
