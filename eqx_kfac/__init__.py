@@ -23,6 +23,21 @@ from ._graph_matcher import (
     auto_register_tags as auto_register_tags,
 )
 from ._layer_data import EstimationData as EstimationData, LayerSpec as LayerSpec
+from ._losses import (
+    CategoricalLogitsNegativeLogProbLoss as CategoricalLogitsNegativeLogProbLoss,
+    LossFunction as LossFunction,
+    MultiBernoulliNegativeLogProbLoss as MultiBernoulliNegativeLogProbLoss,
+    NegativeLogProbLoss as NegativeLogProbLoss,
+    NormalMeanNegativeLogProbLoss as NormalMeanNegativeLogProbLoss,
+    NormalMeanVarianceNegativeLogProbLoss as NormalMeanVarianceNegativeLogProbLoss,
+    OneHotCategoricalLogitsNegativeLogProbLoss as OneHotCategoricalLogitsNegativeLogProbLoss,
+    register_categorical_predictive_distribution as register_categorical_predictive_distribution,
+    register_multi_bernoulli_predictive_distribution as register_multi_bernoulli_predictive_distribution,
+    register_normal_predictive_distribution as register_normal_predictive_distribution,
+    register_sigmoid_cross_entropy_loss as register_sigmoid_cross_entropy_loss,
+    register_softmax_cross_entropy_loss as register_softmax_cross_entropy_loss,
+    register_squared_error_loss as register_squared_error_loss,
+)
 from ._operators import (
     BlockDiagonalOperator as BlockDiagonalOperator,
     eigenvalues as eigenvalues,
