@@ -17,6 +17,18 @@ from ._blocks import (
     ScaleAndShiftFull as ScaleAndShiftFull,
     ScaledIdentity as ScaledIdentity,
 )
+from ._estimators import (
+    AbstractCurvatureEstimator as AbstractCurvatureEstimator,
+    BlockDiagonalCurvature as BlockDiagonalCurvature,
+    default_batch_size_extractor as default_batch_size_extractor,
+    ESTIMATION_MODES as ESTIMATION_MODES,
+    EstimatorState as EstimatorState,
+    ExplicitExactCurvature as ExplicitExactCurvature,
+    ImplicitExactCurvature as ImplicitExactCurvature,
+    ParameterSpaceOperator as ParameterSpaceOperator,
+    Registration as Registration,
+    Registrations as Registrations,
+)
 from ._graph_matcher import (
     DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS,
     GraphPattern as GraphPattern,

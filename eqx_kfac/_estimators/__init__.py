@@ -1,0 +1,17 @@
+"""Curvature estimators: block-diagonal (K-FAC and friends), explicit exact and implicit exact."""
+
+from .base import (
+    AbstractCurvatureEstimator as AbstractCurvatureEstimator,
+    ESTIMATION_MODES as ESTIMATION_MODES,
+    EstimatorState as EstimatorState,
+    Registration as Registration,
+    Registrations as Registrations,
+    default_batch_size_extractor as default_batch_size_extractor,
+)
+from .block_diagonal import (
+    BlockDiagonalCurvature as BlockDiagonalCurvature,
+    DEFAULT_TAG_TO_BLOCK_CTOR as DEFAULT_TAG_TO_BLOCK_CTOR,
+)
+from .explicit_exact import ExplicitExactCurvature as ExplicitExactCurvature
+from .implicit_exact import ImplicitExactCurvature as ImplicitExactCurvature
+from .parameter_operator import ParameterSpaceOperator as ParameterSpaceOperator

@@ -1,0 +1,362 @@
+"""BlockDiagonalCurvature: exact-mode blocks against exact matrices, structure, inspection, errors."""
+
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import equinox as eqx
+from eqx_kfac._blocks import DenseDiagonal, DenseFull, DenseTwoKroneckerFactored, NaiveFull
+from eqx_kfac._estimators import BlockDiagonalCurvature
+from eqx_kfac._losses import register_softmax_cross_entropy_loss
+from eqx_kfac._tags import register_generic
+from eqx_kfac._operators import eigenvalues as operator_eigenvalues, trace as operator_trace
+
+from models import (
+    block_slices,
+    brute_force_ggn,
+    brute_force_hessian,
+    dense_from_products,
+    flat_params,
+    mlp_classification,
+    mlp_ggn_only,
+    mlp_regression,
+    scan_classification,
+    sequence_classification,
+    two_losses,
+)
+
+FULL = {"dense": DenseFull, "generic": NaiveFull}
+
+
+@eqx.filter_jit
+def _update(estimator, state, key, func_args, batch_size, mode):
+    return estimator.update_curvature_matrix_estimate(
+        state, 0.0, 1.0, batch_size, key, func_args, mode
+    )
+
+
+def _estimate(problem, mode, key, init_kwargs=None, **kwargs):
+    estimator = BlockDiagonalCurvature(problem.loss_fn, problem.func_args, **kwargs)
+    state = estimator.init(key, **(init_kwargs or {}))
+    return estimator, _update(estimator, state, key, problem.func_args, problem.batch_size, mode)
+
+
+def _block_diagonal_part(matrix, estimator):
+    out = np.zeros_like(matrix)
+    for idx in block_slices(estimator):
+        out[np.ix_(idx, idx)] = matrix[np.ix_(idx, idx)]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
+@pytest.mark.parametrize("make", [mlp_classification, two_losses])
+def test_full_blocks_are_slices_of_exact_matrix(make, mode, getkey):
+    problem = make(getkey())
+    estimator, state = _estimate(problem, mode, getkey(), layer_tag_to_block_ctor=FULL)
+    assert {type(b) for b in estimator.blocks} == {DenseFull}
+    exact = brute_force_ggn(problem)  # Fisher == GGN for these losses
+    np.testing.assert_allclose(
+        estimator.to_dense_matrix(state), _block_diagonal_part(exact, estimator), rtol=1e-10, atol=1e-12
+    )
+
+
+def test_exact_modes_are_exact_with_interacting_sequence_positions(getkey):
+    # Positions of one example are mixed by the network, so the exact modes need one-hot vectors
+    # per (position, class), replicated over the batch axis only.
+    problem = sequence_classification(getkey())
+    estimator, state = _estimate(
+        problem, "ggn_exact", getkey(), layer_tag_to_block_ctor=FULL, auto_register_tags=False
+    )
+    assert [b.spec.input_shapes for b in estimator.blocks] == [((4, 3, 2),), ((4, 3, 3),)]
+    exact = brute_force_ggn(problem)
+    np.testing.assert_allclose(
+        estimator.to_dense_matrix(state), _block_diagonal_part(exact, estimator), rtol=1e-10, atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
+def test_diagonal_blocks_are_diagonal_of_full(mode, getkey):
+    problem = mlp_classification(getkey())
+    key = getkey()
+    est_full, full = _estimate(problem, mode, key, layer_tag_to_block_ctor=FULL)
+    est_diag, diag = _estimate(problem, mode, key, layer_tag_to_block_ctor={"dense": DenseDiagonal})
+    np.testing.assert_allclose(
+        est_diag.to_dense_matrix(diag), np.diag(np.diag(est_full.to_dense_matrix(full))), rtol=1e-10, atol=1e-14
+    )
+
+
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
+def test_kfac_is_exact_for_deep_linear_network(mode, getkey):
+    # Output tangents of a linear network with squared error do not depend on the input, so
+    # E[a aᵀ ⊗ g gᵀ] factorises exactly into E[a aᵀ] ⊗ E[g gᵀ].
+    problem = mlp_regression(getkey(), sizes=(3, 4, 3, 2), batch=6, activation=None)
+    key = getkey()
+    est_kfac, kfac = _estimate(problem, mode, key)
+    assert {type(b) for b in est_kfac.blocks} == {DenseTwoKroneckerFactored}
+    est_full, full = _estimate(problem, mode, key, layer_tag_to_block_ctor=FULL)
+    np.testing.assert_allclose(
+        est_kfac.to_dense_matrix(kfac), est_full.to_dense_matrix(full), rtol=1e-10, atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
+def test_kfac_is_exact_for_one_example(mode, getkey):
+    problem = mlp_classification(getkey(), batch=1)
+    estimator, state = _estimate(problem, mode, getkey())
+    exact = brute_force_ggn(problem)
+    np.testing.assert_allclose(
+        estimator.to_dense_matrix(state), _block_diagonal_part(exact, estimator), rtol=1e-10, atol=1e-12
+    )
+
+
+def test_relu_ggn_blocks_equal_hessian_blocks(getkey):
+    # A ReLU network is affine in each layer's parameters, so within a layer the Hessian has no
+    # second-derivative term of the network: its diagonal blocks are the GGN's.
+    problem = mlp_classification(getkey(), sizes=(3, 5, 4, 3), batch=6, activation=jax.nn.relu)
+    estimator, state = _estimate(problem, "ggn_exact", getkey(), layer_tag_to_block_ctor=FULL)
+    hessian = brute_force_hessian(problem)
+    np.testing.assert_allclose(
+        estimator.to_dense_matrix(state), _block_diagonal_part(hessian, estimator), rtol=1e-9, atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
+def test_several_losses_add_up(mode, getkey):
+    # In the exact modes each loss brings its own output-tangent vectors, so the G factors (and
+    # with them the K-FAC blocks, whose A factors are shared) add up over the losses.
+    key, kmodel = getkey(), getkey()
+    dense = {}
+    for register in (("cls", "reg"), ("cls",), ("reg",)):
+        problem = two_losses(kmodel, register=register)
+        estimator, state = _estimate(problem, mode, key)
+        dense[register] = np.asarray(estimator.to_dense_matrix(state))
+    np.testing.assert_allclose(
+        dense[("cls", "reg")], dense[("cls",)] + dense[("reg",)], rtol=1e-10, atol=1e-12
+    )
+
+
+def test_dense_matrix_operator_and_products_agree(getkey):
+    problem = mlp_classification(getkey(), sizes=(3, 4, 3))
+    estimator, state = _estimate(
+        problem, "ggn_exact", getkey(), init_kwargs=dict(exact_powers_to_cache=-1)
+    )
+    damping = 0.3
+    filtered = eqx.filter(problem.params, eqx.is_inexact_array)
+    v = jax.tree.map(lambda x: jax.random.normal(getkey(), x.shape), filtered)
+
+    @eqx.filter_jit
+    def everything(estimator, state, v):
+        state = estimator.update_cache(state, damping, exact_powers=-1)
+        operator = estimator.as_linear_operator(state, damping)
+        flat = lambda tree: ravel_pytree(tree)[0]  # noqa: E731
+        inverse = {
+            exact: estimator.multiply_inverse(state, v, damping, exact_power=exact)
+            for exact in (True, False)
+        }
+        return dict(
+            dense=estimator.to_dense_matrix(state),
+            operator_matrix=operator.as_matrix(),
+            operator_mv=flat(operator.mv(v)),
+            operator_trace=operator_trace(operator),
+            operator_eigenvalues=operator_eigenvalues(operator),
+            eigenvalues=estimator.eigenvalues(state),
+            block_eigenvalues=estimator.block_eigenvalues(state),
+            product=flat(estimator.multiply(state, v, damping)),
+            per_block_product=flat(estimator.multiply(state, v, [damping] * estimator.num_blocks)),
+            round_trip={
+                exact: flat(estimator.multiply(state, inverse[exact], damping, exact_power=exact))
+                for exact in (True, False)
+            },
+            cached_inverse=flat(
+                estimator.multiply_inverse(state, v, damping, exact_power=True, use_cached=True)
+            ),
+        )
+
+    out = jax.tree.map(np.asarray, everything(estimator, state, v))
+    dense = out["dense"]
+    assert dense.shape == (estimator.dim, estimator.dim)
+    assert sum(estimator.block_dims) == estimator.dim == flat_params(problem.params)[0].size
+    by_products = dense_from_products(lambda u: estimator.multiply(state, u, 0.0), problem.params)
+    np.testing.assert_allclose(by_products, dense, rtol=1e-10, atol=1e-13)
+
+    operator = estimator.as_linear_operator(state, damping)
+    assert eqx.tree_equal(operator.in_structure(), jax.eval_shape(lambda: filtered))
+    assert lx.is_positive_semidefinite(operator) and lx.is_symmetric(operator)
+    damped = dense + damping * np.eye(estimator.dim)
+    flat_v = np.asarray(ravel_pytree(v)[0])
+    np.testing.assert_allclose(out["operator_matrix"], damped, rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(out["operator_mv"], damped @ flat_v, rtol=1e-10)
+    np.testing.assert_allclose(out["operator_trace"], np.trace(damped), rtol=1e-10)
+    np.testing.assert_allclose(
+        np.sort(out["operator_eigenvalues"]), np.linalg.eigvalsh(damped), rtol=1e-8, atol=1e-10
+    )
+    np.testing.assert_allclose(
+        np.sort(out["eigenvalues"]), np.linalg.eigvalsh(dense), rtol=1e-8, atol=1e-10
+    )
+    for values, idx in zip(out["block_eigenvalues"], block_slices(estimator)):
+        np.testing.assert_allclose(
+            np.sort(values), np.linalg.eigvalsh(dense[np.ix_(idx, idx)]), rtol=1e-8, atol=1e-10
+        )
+    np.testing.assert_allclose(out["product"], damped @ flat_v, rtol=1e-10)
+    np.testing.assert_allclose(out["per_block_product"], damped @ flat_v, rtol=1e-10)
+    for exact in (True, False):
+        np.testing.assert_allclose(out["round_trip"][exact], flat_v, rtol=1e-8)
+    np.testing.assert_allclose(out["cached_inverse"], np.linalg.solve(damped, flat_v), rtol=1e-8)
+
+
+def test_registrations_and_overrides(getkey):
+    problem = mlp_classification(getkey(), sizes=(3, 4, 3))
+    estimator = BlockDiagonalCurvature(
+        problem.loss_fn, problem.func_args, index_to_block_ctor={"layers[1].weight": DenseFull}
+    )
+    regs = estimator.registrations()
+    assert list(regs) == [
+        "layers[0].weight", "layers[0].bias", "layers[1].weight", "layers[1].bias"
+    ]
+    assert regs["layers[0].weight"].block == "DenseTwoKroneckerFactored"
+    assert regs["layers[1].bias"].block == "DenseFull"
+    assert {r.tag for r in regs.values()} == {"dense"}
+    table = str(regs)
+    assert "layers[1].bias" in table and "DenseFull" in table and "parameter" in table.splitlines()[0]
+
+    with pytest.raises(ValueError, match="match no layer"):
+        BlockDiagonalCurvature(
+            problem.loss_fn, problem.func_args, index_to_block_ctor={"nope.weight": DenseFull}
+        )
+
+
+def test_incompatible_block_names_the_parameter(getkey):
+    problem = mlp_classification(getkey(), sizes=(3, 4, 3))
+    with pytest.raises(ValueError, match=r"layers\[0\]\.weight"):
+        BlockDiagonalCurvature(
+            problem.loss_fn,
+            problem.func_args,
+            auto_register_tags=False,
+            layer_tag_to_block_ctor={"generic": DenseTwoKroneckerFactored},
+        )
+
+
+def test_mode_errors(getkey):
+    problem = mlp_ggn_only(getkey())
+    estimator = BlockDiagonalCurvature(problem.loss_fn, problem.func_args)
+    state = estimator.init(getkey())
+
+    def update(mode, args=problem.func_args):
+        return estimator.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, problem.batch_size, getkey(), args, mode
+        )
+
+    for mode in ("fisher_gradients", "fisher_exact", "fisher_curvature_prop", "fisher_empirical"):
+        with pytest.raises(TypeError, match="NegativeLogProbLoss"):
+            update(mode)
+    update("ggn_exact")
+    with pytest.raises(ValueError, match="Unknown estimation_mode"):
+        update("fisher")
+    with pytest.raises(ValueError, match="Unknown default_estimation_mode"):
+        BlockDiagonalCurvature(problem.loss_fn, problem.func_args, default_estimation_mode="ggn")
+
+    classification = mlp_classification(getkey())
+    x, _ = classification.batch
+
+    def no_targets(params, data):
+        logits = jax.vmap(params)(data[0])
+        register_softmax_cross_entropy_loss(logits)
+        return jnp.sum(logits)
+
+    est = BlockDiagonalCurvature(no_targets, classification.func_args)
+    with pytest.raises(ValueError, match="targets"):
+        est.update_curvature_matrix_estimate(
+            est.init(), 0.0, 1.0, 5, getkey(), classification.func_args, "fisher_empirical"
+        )
+
+
+def test_example_args_may_be_shape_structs_and_update_jits(getkey):
+    problem = mlp_classification(getkey())
+    structs = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
+        problem.func_args,
+    )
+    estimator = BlockDiagonalCurvature(problem.loss_fn, structs)
+    key = getkey()
+    state = estimator.init(key)
+
+    @eqx.filter_jit
+    def update(state, args, key):
+        return estimator.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, problem.batch_size, key, args, "ggn_exact"
+        )
+
+    jitted = estimator.to_dense_matrix(update(state, problem.func_args, key))
+    eager = estimator.to_dense_matrix(
+        estimator.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, problem.batch_size, key, problem.func_args, "ggn_exact"
+        )
+    )
+    np.testing.assert_allclose(jitted, eager, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
+def test_scan_over_stacked_layers_equals_unrolled_network(mode, getkey):
+    problem, unrolled, perm = scan_classification(getkey())
+    key = getkey()
+    est_scan, scan_state = _estimate(problem, mode, key)
+    est_unrolled, unrolled_state = _estimate(unrolled, mode, key)
+    stacked = [b for b in est_scan.blocks if b.spec.stack_size is not None]
+    assert len(stacked) == 1 and stacked[0].spec.stack_size == 2
+    assert isinstance(stacked[0], DenseTwoKroneckerFactored)
+    assert est_scan.num_blocks == 3 and est_unrolled.num_blocks == 4
+    expected = np.asarray(est_unrolled.to_dense_matrix(unrolled_state))[np.ix_(perm, perm)]
+    np.testing.assert_allclose(est_scan.to_dense_matrix(scan_state), expected, rtol=1e-10, atol=1e-13)
+
+
+def test_axis_name_averages_statistics_over_devices(getkey):
+    devices = jax.devices()[:4]
+    problem = mlp_classification(getkey(), batch=8)
+    x, y = problem.batch
+    estimator = BlockDiagonalCurvature(problem.loss_fn, problem.func_args)
+    state0 = estimator.init()
+    key = getkey()
+    mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
+    spec = jax.sharding.PartitionSpec
+
+    def per_device(x, y):
+        return estimator.update_curvature_matrix_estimate(
+            state0, 0.0, 1.0, x.shape[0], key, (problem.params, (x, y)), "ggn_exact",
+            axis_name="batch",
+        )
+
+    # With varying-axis checks JAX casts the replicated parameters with `pvary` inside the map,
+    # which (for now) hides the layers from the graph patterns.
+    sharded = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(spec("batch"), spec("batch")),
+            out_specs=spec(),
+            check_vma=False,
+        )
+    )(x, y)
+    single = _update(estimator, state0, key, problem.func_args, 8, "ggn_exact")
+    np.testing.assert_allclose(
+        estimator.to_dense_matrix(sharded), estimator.to_dense_matrix(single), rtol=1e-10, atol=1e-13
+    )
+
+
+def test_layers_changing_with_the_arguments_is_an_error(getkey):
+    problem = mlp_classification(getkey(), batch=5)
+
+    def shape_dependent(params, data):
+        if data[0].shape[0] < 4:
+            # All parameters as one generic layer instead of two dense layers.
+            leaves, treedef = jax.tree.flatten(params)
+            params = jax.tree.unflatten(treedef, list(register_generic(*leaves)))
+        return problem.loss_fn(params, data)
+
+    estimator = BlockDiagonalCurvature(shape_dependent, problem.func_args)
+    assert [b.spec.tag for b in estimator.blocks] == ["dense", "dense"]
+    small = (problem.params, jax.tree.map(lambda a: a[:2], problem.batch))
+    with pytest.raises(ValueError, match="different layers"):
+        estimator.update_curvature_matrix_estimate(estimator.init(), 0.0, 1.0, 2, getkey(), small)
