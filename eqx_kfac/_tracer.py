@@ -220,7 +220,8 @@ class TracedFunction:
                 "would treat it as used once. Register all its uses together with `register_generic`, "
                 "or use the value returned by the registration."
             )
-        specs_with_outputs = sorted(k for k in self._output_avals)
+        # The hook records only layers with outputs (not generic tags), in index order.
+        specs_with_outputs = sorted(s.index for s in self.layer_specs if s.output_shapes)
         for k, (_, outs) in zip(specs_with_outputs, layers):
             spec = self.layer_specs[k]
             for i in sorted((used_params(jax.tree.leaves(outs)) & claimed.keys()) - set(spec.param_indices)):

@@ -442,3 +442,17 @@ def test_param_used_in_other_layers_outputs_error(getkey):
 
     with pytest.raises(ValueError, match=r"`\['w'\]` of dense layer #0.*outputs of dense layer #1"):
         trace(lambda w, x: register_squared_error_loss(body(w, x), jnp.zeros((2, 3))), (w, jnp.ones((2, 3))))
+
+
+def test_generic_tag_before_a_layer_is_not_mistaken_for_its_outputs(getkey):
+    # A generic tag (no outputs) ahead of a layer used to shift the layer bookkeeping by one and
+    # report the dense weight as used by the generic layer's outputs.
+    p = {"w": jax.random.normal(getkey(), (3, 2)), "t": jnp.array(2.0)}
+
+    def f(p, x):
+        t = register_generic(p["t"])
+        y = register_dense(x @ p["w"], x, p["w"]) * t
+        return register_squared_error_loss(y, jnp.zeros((4, 2)))
+
+    specs = trace(f, (p, jnp.ones((4, 3)))).layer_specs
+    assert sorted((s.tag, s.param_paths) for s in specs) == [("dense", ("['w']",)), ("generic", ("['t']",))]
