@@ -66,6 +66,7 @@ from ._operators import (
     pi_adjusted_inverse as pi_adjusted_inverse,
     trace as trace,
 )
+from ._optimizer import Optimizer as Optimizer, OptimizerState as OptimizerState
 from ._patches import (
     patches_moments as patches_moments,
     patches_moments_explicit as patches_moments_explicit,

@@ -1,0 +1,878 @@
+"""`Optimizer`: the K-FAC optimizer with kfac-jax's semantics, as a pure, Equinox-native step.
+
+One step (kfac-jax's order of operations):
+
+1. learning rate, momentum and damping from the step arguments, the schedules or the state;
+2. at step 0, `num_burnin_steps` curvature updates (from the data iterator or the step's batch);
+3. the curvature estimate is updated with the batch (every `curvature_update_period` steps);
+4. loss and gradients from `value_and_grad_func`;
+5. every `inverse_update_period` steps the cached damped inverses are refreshed;
+6. the gradient is preconditioned with `(C + (l2_reg + damping) I)⁻¹` and, with
+   `norm_constraint`, scaled down;
+7. the coefficients of the preconditioned gradient and the previous update: fixed/scheduled, or
+   minimising the exact quadratic model;
+8. the update is applied and becomes the new velocity;
+9. every `damping_adaptation_interval` steps (adaptive damping) the damping follows `ρ`.
+
+Every decision that depends on the step counter is taken inside the compiled graph (`lax.cond`),
+so `step` gives the same result called directly or inside a user's `jit`.
+"""
+
+import inspect
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+
+from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
+from ._estimators.base import ESTIMATION_MODES, default_batch_size_extractor
+from ._quad_model import (
+    QuadraticModel,
+    all_finite,
+    gram_matrix,
+    inner_product,
+    levenberg_marquardt_damping,
+    norm_constraint_scale,
+    quadratic_model,
+    solve_quadratic_model,
+)
+
+
+logger = logging.getLogger("eqx_kfac")
+
+Schedule = Callable[..., ArrayLike]
+
+
+class OptimizerState(eqx.Module):
+    """The state of `Optimizer` (also available as `Optimizer.State`).
+
+    **Fields:**
+
+    - `velocities`: the previous update `θ_t - θ_{t-1}`, shaped like
+      `eqx.filter(params, eqx.is_inexact_array)`.
+    - `estimator_state`: the curvature estimator's state (moving averages and cached inverses).
+    - `damping`: with adaptive damping, the current damping; otherwise the damping of the last
+      step (`initial_damping`, or 0, before the first step).
+    - `data_seen`: the number of examples processed.
+    - `step_counter`: the number of steps taken.
+    - `batch_signature`: (static) the structure, shapes and dtypes of the batch given to `init`;
+      `step` rejects batches that differ.
+    """
+
+    velocities: PyTree[Array]
+    estimator_state: EstimatorState
+    damping: Float[Array, ""]
+    data_seen: Int[Array, ""]
+    step_counter: Int[Array, ""]
+    batch_signature: Any = eqx.field(static=True)
+
+
+class _EstimatorCache:
+    """Estimators built so far, keyed by the abstract signature of the function arguments.
+
+    Building an estimator traces the loss; the cache makes that happen once per signature (and
+    the registration report is logged then). Hashes by identity so the optimizer stays hashable.
+    """
+
+    def __init__(self):
+        self.entries: dict[Any, tuple[BlockDiagonalCurvature, ImplicitExactCurvature]] = {}
+
+
+def _abstract(x: Any) -> Any:
+    if eqx.is_array(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+def _signature(tree: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, tuple(
+        (tuple(x.shape), str(x.dtype)) if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+        else ("static", x)
+        for x in leaves
+    ))
+
+
+def _describe_signature(signature: Any) -> str:
+    return ", ".join(
+        f"{dtype}{list(shape)}" if shape != "static" else f"static {dtype!r}"
+        for shape, dtype in signature[1]
+    )
+
+
+def _call_schedule(schedule: Schedule, step: Array, data_seen: Array) -> Array:
+    try:
+        accepts_data_seen = "data_seen" in inspect.signature(schedule).parameters
+    except (TypeError, ValueError):
+        accepts_data_seen = False
+    if accepts_data_seen:
+        return jnp.asarray(schedule(step, data_seen=data_seen))
+    return jnp.asarray(schedule(step))
+
+
+def _tree_select(pred: Array, on_true: Any, on_false: Any) -> Any:
+    return jax.tree.map(
+        lambda a, b: jnp.where(pred, a, b) if eqx.is_array(a) else a, on_true, on_false
+    )
+
+
+def _norm(tree: PyTree[Array]) -> Float[Array, ""]:
+    return jnp.sqrt(inner_product(tree, tree))
+
+
+def _per_param_norms(tree: PyTree[Array], prefix: str) -> dict[str, Array]:
+    with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        f"{prefix}({jax.tree_util.keystr(path).lstrip('.')})": jnp.linalg.norm(leaf.reshape(-1))
+        for path, leaf in with_paths
+    }
+
+
+class Optimizer(eqx.Module):
+    """The K-FAC optimizer (kfac-jax's `Optimizer`, Equinox-native and pure).
+
+    Build it once from a `value_and_grad_func`; `init` creates an `Optimizer.State`; `step`
+    returns new parameters, state and statistics. Both are pure: call `step` directly (it is
+    compiled once per argument structure and cached) or inside your own `eqx.filter_jit` /
+    `jax.jit`. See the "Optimizer" documentation page for every option and advice on damping.
+    """
+
+    State: ClassVar[type[OptimizerState]] = OptimizerState
+
+    value_and_grad_func: Callable[..., Any] = eqx.field(static=True)
+    value_func: Callable[..., Any] = eqx.field(static=True)
+    value_func_for_estimator: Callable[..., Any] = eqx.field(static=True)
+    l2_reg: float = eqx.field(static=True)
+    value_func_has_aux: bool = eqx.field(static=True)
+    value_func_has_state: bool = eqx.field(static=True)
+    value_func_has_rng: bool = eqx.field(static=True)
+    use_adaptive_learning_rate: bool = eqx.field(static=True)
+    learning_rate_schedule: Schedule | None = eqx.field(static=True)
+    use_adaptive_momentum: bool = eqx.field(static=True)
+    momentum_schedule: Schedule | None = eqx.field(static=True)
+    use_adaptive_damping: bool = eqx.field(static=True)
+    damping_schedule: Schedule | None = eqx.field(static=True)
+    initial_damping: float | None = eqx.field(static=True)
+    min_damping: float = eqx.field(static=True)
+    max_damping: float = eqx.field(static=True)
+    include_damping_in_quad_change: bool = eqx.field(static=True)
+    damping_adaptation_interval: int = eqx.field(static=True)
+    damping_adaptation_decay: float = eqx.field(static=True)
+    damping_lower_threshold: float = eqx.field(static=True)
+    damping_upper_threshold: float = eqx.field(static=True)
+    always_use_exact_qmodel_for_damping_adjustment: bool = eqx.field(static=True)
+    norm_constraint: float | None = eqx.field(static=True)
+    num_burnin_steps: int = eqx.field(static=True)
+    estimation_mode: str = eqx.field(static=True)
+    curvature_ema: float = eqx.field(static=True)
+    curvature_update_period: int = eqx.field(static=True)
+    inverse_update_period: int = eqx.field(static=True)
+    use_exact_inverses: bool = eqx.field(static=True)
+    batch_process_func: Callable[[Any], Any] | None = eqx.field(static=True)
+    register_only_generic: bool = eqx.field(static=True)
+    patterns_to_skip: tuple[str, ...] = eqx.field(static=True)
+    auto_register_kwargs: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    layer_tag_to_block_ctor: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    multi_device: bool = eqx.field(static=True)
+    mesh: Any = eqx.field(static=True)
+    pmap_axis_name: str = eqx.field(static=True)
+    batch_size_extractor: Callable[[Any], Any] = eqx.field(static=True)
+    include_norms_in_stats: bool = eqx.field(static=True)
+    include_per_param_norms_in_stats: bool = eqx.field(static=True)
+    distributed_precon_apply: bool = eqx.field(static=True)
+    distributed_inverses: bool = eqx.field(static=True)
+    skip_non_finite: bool = eqx.field(static=True)
+    _cache: _EstimatorCache = eqx.field(static=True)
+
+    def __init__(
+        self,
+        value_and_grad_func: Callable[..., Any],
+        l2_reg: float,
+        value_func_has_aux: bool = False,
+        value_func_has_state: bool = False,
+        value_func_has_rng: bool = False,
+        use_adaptive_learning_rate: bool = False,
+        learning_rate_schedule: Schedule | None = None,
+        use_adaptive_momentum: bool = False,
+        momentum_schedule: Schedule | None = None,
+        use_adaptive_damping: bool = False,
+        damping_schedule: Schedule | None = None,
+        initial_damping: float | None = None,
+        min_damping: float = 1e-8,
+        max_damping: float = math.inf,
+        include_damping_in_quad_change: bool = False,
+        damping_adaptation_interval: int = 5,
+        damping_adaptation_decay: float = 0.9,
+        damping_lower_threshold: float = 0.25,
+        damping_upper_threshold: float = 0.75,
+        always_use_exact_qmodel_for_damping_adjustment: bool = False,
+        norm_constraint: float | None = None,
+        num_burnin_steps: int = 10,
+        estimation_mode: str = "fisher_gradients",
+        curvature_ema: float = 0.95,
+        inverse_update_period: int = 5,
+        use_exact_inverses: bool = False,
+        batch_process_func: Callable[[Any], Any] | None = None,
+        register_only_generic: bool = False,
+        patterns_to_skip: Sequence[str] = (),
+        auto_register_kwargs: Mapping[str, Any] | None = None,
+        layer_tag_to_block_ctor: Mapping[str, Any] | None = None,
+        multi_device: bool = False,
+        mesh: Any = None,
+        pmap_axis_name: str = "kfac_axis",
+        batch_size_extractor: Callable[[Any], Any] = default_batch_size_extractor,
+        include_norms_in_stats: bool = False,
+        include_per_param_norms_in_stats: bool = False,
+        distributed_precon_apply: bool = True,
+        distributed_inverses: bool = True,
+        skip_non_finite: bool = True,
+        *,
+        curvature_update_period: int = 1,
+        value_func: Callable[..., Any] | None = None,
+        value_func_for_estimator: Callable[..., Any] | None = None,
+    ):
+        """**Arguments:**
+
+        - `value_and_grad_func`: `value_and_grad_func(params, [func_state], [rng], batch)` returns
+          `(out, grads)` as `eqx.filter_value_and_grad(loss)` or `jax.value_and_grad(loss)` do;
+          `out` is `loss`, `(loss, aux)`, `(loss, func_state)` or `(loss, (func_state, aux))`.
+          The loss must register its losses (e.g. `register_softmax_cross_entropy_loss`) and be
+          averaged over the batch; add any L2 term `l2_reg/2·Σθ²` yourself.
+        - `l2_reg`: the L2 coefficient used in the loss; it is added to the curvature's damping
+          and to the quadratic model.
+        - `value_func_has_aux`, `value_func_has_state`, `value_func_has_rng`: the function forms
+          above; `func_state` may be an `eqx.nn.State`, `rng` a PRNG key (split from `step`'s).
+        - `use_adaptive_learning_rate`, `use_adaptive_momentum`: choose the learning rate and/or
+          momentum by minimising the exact quadratic model (GGN or Fisher, after
+          `estimation_mode`) over the preconditioned gradient and the previous update.
+        - `learning_rate_schedule`, `momentum_schedule`, `damping_schedule`: functions of the
+          step counter (and of `data_seen=` if they accept that keyword).
+        - `use_adaptive_damping`: Levenberg-Marquardt adaptation of the damping from `ρ`, starting
+          at `initial_damping`, every `damping_adaptation_interval` steps: multiply by
+          `damping_adaptation_decay ** damping_adaptation_interval` when
+          `ρ > damping_upper_threshold`, divide when `ρ < damping_lower_threshold`, clip to
+          `[min_damping, max_damping]`.
+        - `include_damping_in_quad_change`: include the damping term in the predicted change.
+        - `always_use_exact_qmodel_for_damping_adjustment`: with fixed learning rate and momentum,
+          predict the change with the exact curvature instead of the K-FAC estimate.
+        - `norm_constraint`: scale the preconditioned gradient so that `lr²·gᵀ P g` is at most this
+          (not with an adaptive learning rate).
+        - `num_burnin_steps`: curvature updates before the first step (from `data_iterator`, or
+          repeated on the first batch).
+        - `estimation_mode`: one of `fisher_gradients`, `fisher_empirical`, `fisher_exact`,
+          `fisher_curvature_prop`, `ggn_exact`, `ggn_curvature_prop`.
+        - `curvature_ema`: decay of the curvature moving averages.
+        - `inverse_update_period`: steps between refreshes of the cached inverses (1: no cache,
+          inverses are computed in every step).
+        - `use_exact_inverses`: invert Kronecker blocks exactly (eigendecompositions) instead of
+          with pi-adjusted factored damping.
+        - `batch_process_func`: applied to every batch before use.
+        - `register_only_generic`, `patterns_to_skip`, `auto_register_kwargs`: passed to
+          `auto_register_tags`.
+        - `layer_tag_to_block_ctor`: block class per tag name, overriding the defaults.
+        - `multi_device`, `mesh`, `pmap_axis_name`, `distributed_precon_apply`,
+          `distributed_inverses`: multi-device execution (not implemented yet:
+          `multi_device=True` raises `NotImplementedError`).
+        - `batch_size_extractor`: maps the (processed) batch to its size; default: the leading
+          dimension of its first array leaf.
+        - `include_norms_in_stats`, `include_per_param_norms_in_stats`: add the norms of the
+          parameters, gradient, preconditioned gradient and update to the statistics.
+        - `skip_non_finite`: when the loss or gradient is not finite, return the parameters,
+          state and function state unchanged (the step counter too) and set `stats["skipped"]`.
+        - `curvature_update_period`: steps between curvature updates (keyword only).
+        - `value_func`: the loss function itself (keyword only). By default it is recovered
+          from `value_and_grad_func.__wrapped__` (set by `jax.value_and_grad`,
+          `eqx.filter_value_and_grad` and `functools.wraps`); without either, construction
+          raises `ValueError`.
+        - `value_func_for_estimator`: the function whose registrations the curvature estimator
+          traces (keyword only; default `value_func`), e.g. the loss without regularisers.
+        """
+        if multi_device:
+            raise NotImplementedError(
+                "multi_device=True is not implemented yet: the optimizer runs on one device. "
+                "Use multi_device=False (the arguments mesh, pmap_axis_name, "
+                "distributed_precon_apply and distributed_inverses are stored for later)."
+            )
+        for adaptive, schedule, name in (
+            (use_adaptive_learning_rate, learning_rate_schedule, "learning_rate"),
+            (use_adaptive_momentum, momentum_schedule, "momentum"),
+            (use_adaptive_damping, damping_schedule, "damping"),
+        ):
+            if adaptive and schedule is not None:
+                raise ValueError(
+                    f"use_adaptive_{name}=True and a {name}_schedule were both given; the "
+                    f"{name} is either adapted or scheduled. Drop one of them."
+                )
+        if use_adaptive_damping and initial_damping is None:
+            raise ValueError(
+                "use_adaptive_damping=True needs initial_damping (a good start is 1.0 for a loss "
+                "of order 1; see the damping advice in the Optimizer docs)."
+            )
+        if norm_constraint is not None and use_adaptive_learning_rate:
+            raise ValueError(
+                "norm_constraint cannot be used with use_adaptive_learning_rate=True: the adaptive "
+                "learning rate already chooses the step length. Drop one of them."
+            )
+        if estimation_mode not in ESTIMATION_MODES:
+            raise ValueError(
+                f"Unknown estimation_mode {estimation_mode!r}; expected one of "
+                f"{', '.join(ESTIMATION_MODES)}."
+            )
+        for name, value, minimum in (
+            ("damping_adaptation_interval", damping_adaptation_interval, 1),
+            ("inverse_update_period", inverse_update_period, 1),
+            ("curvature_update_period", curvature_update_period, 1),
+            ("num_burnin_steps", num_burnin_steps, 0),
+        ):
+            if not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+        if curvature_update_period > inverse_update_period:
+            raise ValueError(
+                f"curvature_update_period ({curvature_update_period}) is larger than "
+                f"inverse_update_period ({inverse_update_period}): the same inverse would be "
+                "recomputed. Make inverse_update_period at least curvature_update_period."
+            )
+        if not 0.0 < damping_adaptation_decay <= 1.0:
+            raise ValueError(
+                f"damping_adaptation_decay must be in (0, 1], got {damping_adaptation_decay}."
+            )
+        if damping_lower_threshold > damping_upper_threshold:
+            raise ValueError(
+                f"damping_lower_threshold ({damping_lower_threshold}) is above "
+                f"damping_upper_threshold ({damping_upper_threshold})."
+            )
+        if not 0.0 <= curvature_ema <= 1.0:
+            raise ValueError(f"curvature_ema must be in [0, 1], got {curvature_ema}.")
+        if value_func is None:
+            value_func = getattr(value_and_grad_func, "__wrapped__", None)
+            value_func = inspect.unwrap(value_func) if value_func is not None else None
+        if value_func is None:
+            # Tracing through `value_and_grad_func` would show the tracer the backward pass too,
+            # whose uses of the weights look like extra layers: ask for the loss instead.
+            raise ValueError(
+                "Cannot recover the loss function from value_and_grad_func: it has no "
+                "`__wrapped__` attribute. Build it with eqx.filter_value_and_grad(loss) or "
+                "jax.value_and_grad(loss) (or functools.wraps(loss)), or pass value_func=loss."
+            )
+        self.value_and_grad_func = value_and_grad_func
+        self.value_func = value_func
+        self.value_func_for_estimator = value_func_for_estimator or value_func
+        self.l2_reg = l2_reg
+        self.value_func_has_aux = value_func_has_aux
+        self.value_func_has_state = value_func_has_state
+        self.value_func_has_rng = value_func_has_rng
+        self.use_adaptive_learning_rate = use_adaptive_learning_rate
+        self.learning_rate_schedule = learning_rate_schedule
+        self.use_adaptive_momentum = use_adaptive_momentum
+        self.momentum_schedule = momentum_schedule
+        self.use_adaptive_damping = use_adaptive_damping
+        self.damping_schedule = damping_schedule
+        self.initial_damping = initial_damping
+        self.min_damping = min_damping
+        self.max_damping = max_damping
+        self.include_damping_in_quad_change = include_damping_in_quad_change
+        self.damping_adaptation_interval = damping_adaptation_interval
+        self.damping_adaptation_decay = damping_adaptation_decay
+        self.damping_lower_threshold = damping_lower_threshold
+        self.damping_upper_threshold = damping_upper_threshold
+        self.always_use_exact_qmodel_for_damping_adjustment = (
+            always_use_exact_qmodel_for_damping_adjustment
+        )
+        self.norm_constraint = norm_constraint
+        self.num_burnin_steps = num_burnin_steps
+        self.estimation_mode = estimation_mode
+        self.curvature_ema = curvature_ema
+        self.curvature_update_period = curvature_update_period
+        self.inverse_update_period = inverse_update_period
+        self.use_exact_inverses = use_exact_inverses
+        self.batch_process_func = batch_process_func
+        self.register_only_generic = register_only_generic
+        self.patterns_to_skip = tuple(patterns_to_skip)
+        self.auto_register_kwargs = tuple(sorted((auto_register_kwargs or {}).items()))
+        self.layer_tag_to_block_ctor = tuple(sorted((layer_tag_to_block_ctor or {}).items()))
+        self.multi_device = multi_device
+        self.mesh = mesh
+        self.pmap_axis_name = pmap_axis_name
+        self.batch_size_extractor = batch_size_extractor
+        self.include_norms_in_stats = include_norms_in_stats
+        self.include_per_param_norms_in_stats = include_per_param_norms_in_stats
+        self.distributed_precon_apply = distributed_precon_apply
+        self.distributed_inverses = distributed_inverses
+        self.skip_non_finite = skip_non_finite
+        self._cache = _EstimatorCache()
+
+    # --- configuration helpers --------------------------------------------------------------
+
+    @property
+    def _use_cached_inverses(self) -> bool:
+        return self.inverse_update_period != 1
+
+    @property
+    def _powers_to_cache(self) -> tuple[int | None, int | None]:
+        """(exact, approximate) powers the estimator caches."""
+        if not self._use_cached_inverses:
+            return None, None
+        return (-1, None) if self.use_exact_inverses else (None, -1)
+
+    def _process(self, batch: Any) -> Any:
+        return batch if self.batch_process_func is None else self.batch_process_func(batch)
+
+    def _func_args(self, params: Any, func_state: Any, rng: Any, batch: Any) -> tuple[Any, ...]:
+        args = (params,)
+        if self.value_func_has_state:
+            args += (func_state,)
+        if self.value_func_has_rng:
+            args += (rng,)
+        return args + (batch,)
+
+    def _loss_of(self, out: Any) -> Array:
+        return out[0] if (self.value_func_has_aux or self.value_func_has_state) else out
+
+    def _split_outputs(self, out: Any) -> tuple[Array, Any, Any]:
+        if not (self.value_func_has_aux or self.value_func_has_state):
+            return out, None, None
+        loss, other = out
+        if self.value_func_has_aux and self.value_func_has_state:
+            return loss, other[0], other[1]
+        if self.value_func_has_aux:
+            return loss, None, other
+        return loss, other, None
+
+    def estimators(
+        self, func_args: Sequence[Any]
+    ) -> tuple[BlockDiagonalCurvature, ImplicitExactCurvature]:
+        """The curvature estimators for function arguments of this structure and these shapes.
+
+        Built (tracing the loss once, and logging the registration report at INFO level on the
+        `"eqx_kfac"` logger) on first use, cached afterwards.
+
+        **Arguments:**
+
+        - `func_args`: the arguments of the value function, `(params, [func_state], [rng], batch)`.
+
+        **Returns:**
+
+        `(block_diagonal, implicit_exact)`: the K-FAC estimator and the exact products used by the
+        quadratic model.
+        """
+        abstract = jax.tree.map(_abstract, tuple(func_args))
+        key = _signature(abstract)
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None and key in self._cache.entries:
+            return self._cache.entries[key]
+        kwargs = dict(self.auto_register_kwargs)
+        if self.register_only_generic:
+            kwargs["register_only_generic"] = True
+        if self.patterns_to_skip:
+            kwargs["patterns_to_skip"] = self.patterns_to_skip
+        block_diagonal = BlockDiagonalCurvature(
+            self.value_func_for_estimator,
+            abstract,
+            params_index=0,
+            default_estimation_mode=self.estimation_mode,
+            layer_tag_to_block_ctor=dict(self.layer_tag_to_block_ctor) or None,
+            **kwargs,
+        )
+        implicit = ImplicitExactCurvature(
+            self.value_func, params_index=0, batch_size_extractor=self.batch_size_extractor
+        )
+        logger.info(
+            "eqx_kfac.Optimizer: curvature blocks (%d blocks, %d parameters):\n%s",
+            block_diagonal.num_blocks, block_diagonal.dim, block_diagonal.registrations(),
+        )
+        if key is not None:
+            self._cache.entries[key] = (block_diagonal, implicit)
+        return block_diagonal, implicit
+
+    # --- init -------------------------------------------------------------------------------
+
+    def init(
+        self, params: PyTree, rng: PRNGKeyArray, batch: PyTree, func_state: PyTree = None
+    ) -> OptimizerState:
+        """Creates the optimizer state.
+
+        **Arguments:**
+
+        - `params`: the parameters (a PyTree or an `eqx.Module`; its inexact arrays are trained).
+        - `rng`: a PRNG key (for the blocks' initialisation).
+        - `batch`: an example batch with the shapes every `step` will use.
+        - `func_state`: an example function state (required when `value_func_has_state`).
+
+        **Returns:**
+
+        An `Optimizer.State`.
+        """
+        self._check_func_state(func_state)
+        func_args = self._func_args(params, func_state, rng, self._process(batch))
+        block_diagonal, _ = self.estimators(func_args)
+        exact, approx = self._powers_to_cache
+        filtered = eqx.filter(params, eqx.is_inexact_array)
+        float_dtype = jnp.result_type(*jax.tree.leaves(filtered))
+        return OptimizerState(
+            velocities=jax.tree.map(jnp.zeros_like, filtered),
+            estimator_state=block_diagonal.init(rng, exact, approx),
+            damping=jnp.asarray(
+                0.0 if self.initial_damping is None else self.initial_damping, float_dtype
+            ),
+            data_seen=jnp.zeros((), int),
+            step_counter=jnp.zeros((), int),
+            batch_signature=_signature(batch),
+        )
+
+    # --- step -------------------------------------------------------------------------------
+
+    def _check_func_state(self, func_state: Any) -> None:
+        if self.value_func_has_state and func_state is None:
+            raise ValueError(
+                "value_func_has_state=True but func_state is None: pass the function state "
+                "(e.g. the model's eqx.nn.State) as func_state=."
+            )
+        if not self.value_func_has_state and func_state is not None:
+            raise ValueError(
+                "func_state was given but value_func_has_state=False; construct the optimizer "
+                "with value_func_has_state=True or drop func_state."
+            )
+
+    def _check_hyperparameters(
+        self, learning_rate: Any, momentum: Any, damping: Any
+    ) -> None:
+        for name, value, adaptive, schedule in (
+            ("learning_rate", learning_rate, self.use_adaptive_learning_rate,
+             self.learning_rate_schedule),
+            ("momentum", momentum, self.use_adaptive_momentum, self.momentum_schedule),
+            ("damping", damping, self.use_adaptive_damping, self.damping_schedule),
+        ):
+            if adaptive and value is not None:
+                raise ValueError(
+                    f"use_adaptive_{name}=True, so do not pass {name}= to step (it is adapted)."
+                )
+            if schedule is not None and value is not None:
+                raise ValueError(
+                    f"A {name}_schedule was given to the optimizer, so do not pass {name}= to "
+                    "step as well."
+                )
+            if not adaptive and schedule is None and value is None:
+                raise ValueError(
+                    f"Missing {name}: with use_adaptive_{name}=False and no {name}_schedule, "
+                    f"pass {name}= to step (or set use_adaptive_{name}=True, or give a "
+                    f"{name}_schedule)."
+                )
+
+    def _check_batch(self, state: OptimizerState, batch: Any, where: str) -> None:
+        signature = _signature(batch)
+        if signature != state.batch_signature:
+            raise ValueError(
+                f"The {where} does not have the structure/shapes/dtypes of the batch given to "
+                f"init: got ({_describe_signature(signature)}), expected "
+                f"({_describe_signature(state.batch_signature)}). K-FAC's state was built for the "
+                "init batch's shapes; call init with a batch of the new shapes (or pad/drop the "
+                "last incomplete batch)."
+            )
+
+    def step(
+        self,
+        params: PyTree,
+        state: OptimizerState,
+        rng: PRNGKeyArray,
+        data_iterator: Iterator[Any] | None = None,
+        batch: PyTree = None,
+        func_state: PyTree = None,
+        learning_rate: ArrayLike | None = None,
+        momentum: ArrayLike | None = None,
+        damping: ArrayLike | None = None,
+        global_step_int: int | None = None,
+    ) -> tuple[Any, ...]:
+        """Takes one K-FAC step.
+
+        **Arguments:**
+
+        - `params`: the current parameters.
+        - `state`: the optimizer state.
+        - `rng`: a PRNG key, different at every step.
+        - `data_iterator`: an iterator of batches (burn-in batches at step 0, then one per step);
+          not usable inside `jit`. Exactly one of `data_iterator` and `batch` is required.
+        - `batch`: the batch of this step (also the burn-in batch at step 0).
+        - `func_state`: the function state, when `value_func_has_state`.
+        - `learning_rate`, `momentum`, `damping`: required when the quantity is neither adaptive
+          nor scheduled, forbidden otherwise.
+        - `global_step_int`: the step counter as a Python int (with `data_iterator`, saves reading
+          it from the device).
+
+        **Returns:**
+
+        `(params, state, stats)`, or `(params, state, func_state, stats)` when
+        `value_func_has_state`. `stats` has `loss`, `learning_rate`, `momentum`, `damping`, `rho`,
+        `new_loss`, `quad_model_change`, `step`, `data_seen`, `batch_size`, `skipped` (the update
+        was not applied because the loss or gradient was not finite), `aux` when the function has
+        auxiliary outputs, and norms when requested.
+        """
+        if (data_iterator is None) == (batch is None):
+            raise ValueError("Pass exactly one of data_iterator= and batch= to step.")
+        self._check_hyperparameters(learning_rate, momentum, damping)
+        self._check_func_state(func_state)
+        if not isinstance(state, OptimizerState):
+            raise TypeError(f"state must be an Optimizer.State (from init), got {type(state)}.")
+        hyper = tuple(None if v is None else jnp.asarray(v) for v in (learning_rate, momentum, damping))
+        if data_iterator is None:
+            self._check_batch(state, batch, "batch")
+            return _jitted_step(self, params, state, rng, batch, func_state, hyper, True)
+        step_int = global_step_int
+        if step_int is None:
+            try:
+                step_int = int(state.step_counter)
+            except jax.errors.ConcretizationTypeError:
+                raise ValueError(
+                    "data_iterator cannot be used inside jit (batches are drawn in Python); pass "
+                    "batch= instead, or call step outside jit."
+                ) from None
+        original = state
+        if step_int == 0 and self.num_burnin_steps > 0:
+            keys = _burnin_keys(rng, self.num_burnin_steps)
+            for i in range(self.num_burnin_steps):
+                burnin_batch = next(data_iterator)
+                self._check_batch(state, burnin_batch, f"burn-in batch #{i}")
+                state = _jitted_burnin(self, params, state, keys[i], burnin_batch, func_state)
+        batch = next(data_iterator)
+        self._check_batch(state, batch, "batch from data_iterator")
+        out = _jitted_step(self, params, state, rng, batch, func_state, hyper, False)
+        if state is original:
+            return out
+        # A skipped step must leave the state as it was before the burn-in too.
+        stats = out[-1]
+        return (*out[:1], _tree_select(stats["skipped"], original, out[1]), *out[2:])
+
+    # --- the compiled parts -----------------------------------------------------------------
+
+    def _burnin_update(
+        self, params: Any, state: OptimizerState, key: PRNGKeyArray, batch: Any, func_state: Any
+    ) -> OptimizerState:
+        """One burn-in curvature update: summed statistics (ema_old = ema_new = 1)."""
+        batch = self._process(batch)
+        key, func_key = jax.random.split(key) if self.value_func_has_rng else (key, None)
+        func_args = self._func_args(params, func_state, func_key, batch)
+        block_diagonal, _ = self.estimators(func_args)
+        estimator_state = block_diagonal.update_curvature_matrix_estimate(
+            state.estimator_state, 1.0, 1.0, self.batch_size_extractor(batch), key, func_args
+        )
+        return eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
+
+    def _hyperparameters(
+        self, state: OptimizerState, learning_rate: Any, momentum: Any, damping: Any
+    ) -> tuple[Any, Any, Array]:
+        step, seen = state.step_counter, state.data_seen
+        if self.learning_rate_schedule is not None:
+            learning_rate = _call_schedule(self.learning_rate_schedule, step, seen)
+        if self.momentum_schedule is not None:
+            momentum = _call_schedule(self.momentum_schedule, step, seen)
+        if self.use_adaptive_damping:
+            damping = state.damping
+        elif self.damping_schedule is not None:
+            damping = _call_schedule(self.damping_schedule, step, seen)
+        return learning_rate, momentum, jnp.asarray(damping)
+
+    def _exact_quad_model(
+        self, implicit: ImplicitExactCurvature, func_args: Any, vectors: Sequence[Any], grads: Any
+    ) -> QuadraticModel:
+        if self.estimation_mode.startswith("fisher"):
+            factor = implicit.multiply_fisher_factor_transpose
+        else:
+            factor = implicit.multiply_ggn_factor_transpose
+        curvature = gram_matrix([factor(func_args, v) for v in vectors])
+        return quadratic_model(vectors, grads, curvature)
+
+    def _approx_quad_model(
+        self, block_diagonal: BlockDiagonalCurvature, estimator_state: EstimatorState,
+        vectors: Sequence[Any], grads: Any,
+    ) -> QuadraticModel:
+        products = [block_diagonal.multiply(estimator_state, v, 0.0, True, False) for v in vectors]
+        return quadratic_model(vectors, grads, gram_matrix(products, vectors))
+
+    def _step(
+        self,
+        params: Any,
+        state: OptimizerState,
+        rng: PRNGKeyArray,
+        batch: Any,
+        func_state: Any,
+        hyper: tuple[Any, Any, Any],
+        burnin_in_graph: bool,
+    ) -> tuple[Any, ...]:
+        original = (params, state, func_state)
+        learning_rate, momentum, damping = self._hyperparameters(state, *hyper)
+        identity_weight = self.l2_reg + damping
+        step = state.step_counter
+
+        if burnin_in_graph and self.num_burnin_steps > 0:
+            keys = _burnin_keys(rng, self.num_burnin_steps)
+
+            def burnin(s):
+                return jax.lax.fori_loop(
+                    0, self.num_burnin_steps,
+                    lambda i, s_: self._burnin_update(params, s_, keys[i], batch, func_state), s,
+                )
+
+            state = jax.lax.cond(step == 0, burnin, lambda s: s, state)
+
+        processed = self._process(batch)
+        rng, func_rng = jax.random.split(rng) if self.value_func_has_rng else (rng, None)
+        func_args = self._func_args(params, func_state, func_rng, processed)
+        block_diagonal, implicit = self.estimators(func_args)
+        batch_size = self.batch_size_extractor(processed)
+
+        def update_curvature(estimator_state):
+            return block_diagonal.update_curvature_matrix_estimate(
+                estimator_state, self.curvature_ema, 1.0, batch_size, rng, func_args
+            )
+
+        estimator_state = _maybe(
+            self.curvature_update_period, step, update_curvature, state.estimator_state
+        )
+        out, grads = self.value_and_grad_func(*func_args)
+        loss, new_func_state, aux = self._split_outputs(out)
+        grads = eqx.filter(grads, eqx.is_inexact_array)
+
+        if self._use_cached_inverses:
+            exact, approx = self._powers_to_cache
+            estimator_state = _maybe(
+                self.inverse_update_period, step,
+                lambda s: block_diagonal.update_cache(s, identity_weight, exact, approx),
+                estimator_state,
+            )
+        precon_grad = block_diagonal.multiply_matpower(
+            estimator_state, grads, identity_weight, -1, self.use_exact_inverses,
+            self._use_cached_inverses,
+        )
+        scaled_grad_norm_sq = None
+        if self.norm_constraint is not None:
+            scale, scaled_grad_norm_sq = norm_constraint_scale(
+                inner_product(precon_grad, grads), learning_rate, self.norm_constraint
+            )
+            precon_grad = jax.tree.map(lambda x: x * scale, precon_grad)
+
+        vectors = (precon_grad, state.velocities)
+        fixed = (None if learning_rate is None else -learning_rate, momentum)
+        adaptive = self.use_adaptive_learning_rate or self.use_adaptive_momentum
+        if adaptive:
+            model = self._exact_quad_model(implicit, func_args, vectors, grads)
+            coefficients, quad_change = solve_quadratic_model(
+                model, damping, self.l2_reg, fixed, self.include_damping_in_quad_change
+            )
+        else:
+            coefficients = tuple(jnp.asarray(c) for c in fixed)
+            quad_change = None
+        delta = jax.tree.map(
+            lambda p, v: p * coefficients[0] + v * coefficients[1], precon_grad, state.velocities
+        )
+        new_params = eqx.apply_updates(params, delta)
+
+        def adapt_damping():
+            change = quad_change
+            if change is None:
+                if self.always_use_exact_qmodel_for_damping_adjustment:
+                    model = self._exact_quad_model(implicit, func_args, [delta], grads)
+                else:
+                    model = self._approx_quad_model(block_diagonal, estimator_state, [delta], grads)
+                _, change = solve_quadratic_model(
+                    model, damping, self.l2_reg, (1.0,), self.include_damping_in_quad_change
+                )
+            new_loss = self._loss_of(self.value_func(new_params, *func_args[1:]))
+            new_damping, rho = levenberg_marquardt_damping(
+                loss, new_loss, change, damping,
+                lower_threshold=self.damping_lower_threshold,
+                upper_threshold=self.damping_upper_threshold,
+                decay_factor=self.damping_adaptation_decay ** self.damping_adaptation_interval,
+                min_damping=self.min_damping,
+                max_damping=self.max_damping,
+            )
+            return new_damping.astype(state.damping.dtype), rho, new_loss, change
+
+        def keep_damping():
+            nan = jnp.full((), jnp.nan, loss.dtype)
+            change = nan if quad_change is None else quad_change
+            return state.damping, nan, nan, change
+
+        if self.use_adaptive_damping:
+            new_damping, rho, new_loss, quad_change = jax.lax.cond(
+                (step + 1) % self.damping_adaptation_interval == 0, adapt_damping, keep_damping
+            )
+        else:
+            _, rho, new_loss, quad_change = keep_damping()
+            new_damping = damping.astype(state.damping.dtype)
+
+        new_state = OptimizerState(
+            velocities=delta,
+            estimator_state=estimator_state,
+            damping=new_damping,
+            data_seen=state.data_seen + batch_size,
+            step_counter=step + 1,
+            batch_signature=state.batch_signature,
+        )
+        if self.skip_non_finite:
+            finite = jnp.isfinite(loss) & all_finite(grads)
+            new_params, new_state, new_func_state = _tree_select(
+                finite, (new_params, new_state, new_func_state), original
+            )
+            skipped = ~finite
+        else:
+            skipped = jnp.zeros((), bool)
+        stats = dict(
+            step=new_state.step_counter,
+            batch_size=jnp.asarray(batch_size),
+            data_seen=new_state.data_seen,
+            loss=loss,
+            new_loss=new_loss,
+            learning_rate=-coefficients[0],
+            momentum=coefficients[1],
+            damping=damping,
+            rho=rho,
+            quad_model_change=quad_change,
+            skipped=skipped,
+        )
+        if scaled_grad_norm_sq is not None:
+            stats["scaled_grad_norm_sq"] = scaled_grad_norm_sq
+        if aux is not None:
+            stats["aux"] = aux
+        if self.include_norms_in_stats:
+            stats["param_norm"] = _norm(eqx.filter(new_params, eqx.is_inexact_array))
+            stats["grad_norm"] = _norm(grads)
+            stats["precon_grad_norm"] = _norm(precon_grad)
+            stats["update_norm"] = _norm(delta)
+        if self.include_per_param_norms_in_stats:
+            stats.update(_per_param_norms(eqx.filter(new_params, eqx.is_inexact_array), "param_norm"))
+            stats.update(_per_param_norms(grads, "grad_norm"))
+            stats.update(_per_param_norms(precon_grad, "precon_grad_norm"))
+            stats.update(_per_param_norms(delta, "update_norm"))
+        if self.value_func_has_state:
+            return new_params, new_state, new_func_state, stats
+        return new_params, new_state, stats
+
+
+def _maybe(period: int, step: Array, fn: Callable[[Any], Any], value: Any) -> Any:
+    """`fn(value)` on steps that are multiples of `period`, else `value` (no `cond` for period 1)."""
+    if period == 1:
+        return fn(value)
+    return jax.lax.cond(step % period == 0, fn, lambda v: v, value)
+
+
+def _burnin_keys(rng: PRNGKeyArray, num: int) -> Array:
+    # Derived by folding in, so the step itself sees the same key with or without burn-in.
+    return jax.random.split(jax.random.fold_in(rng, 1), num)
+
+
+@eqx.filter_jit
+def _jitted_step(optimizer, params, state, rng, batch, func_state, hyper, burnin_in_graph):
+    return optimizer._step(params, state, rng, batch, func_state, hyper, burnin_in_graph)
+
+
+@eqx.filter_jit
+def _jitted_burnin(optimizer, params, state, key, batch, func_state):
+    return optimizer._burnin_update(params, state, key, batch, func_state)

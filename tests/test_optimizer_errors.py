@@ -1,0 +1,129 @@
+"""Bad arguments raise clear Python errors before anything is compiled."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from models import mlp_classification
+
+from eqx_kfac._optimizer import Optimizer
+
+
+PROBLEM = mlp_classification(jax.random.key(0))
+BATCH = PROBLEM.batch
+VG = eqx.filter_value_and_grad(PROBLEM.loss_fn)
+FIXED = dict(learning_rate=0.1, momentum=0.9, damping=0.1)
+
+
+@pytest.fixture(scope="module")
+def opt_and_state():
+    opt = Optimizer(VG, l2_reg=0.0, num_burnin_steps=0)
+    return opt, opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(use_adaptive_learning_rate=True, learning_rate_schedule=lambda s: 0.1),
+         "use_adaptive_learning_rate=True and a learning_rate_schedule"),
+        (dict(use_adaptive_momentum=True, momentum_schedule=lambda s: 0.1),
+         "use_adaptive_momentum=True and a momentum_schedule"),
+        (dict(use_adaptive_damping=True, initial_damping=1.0, damping_schedule=lambda s: 0.1),
+         "use_adaptive_damping=True and a damping_schedule"),
+        (dict(use_adaptive_damping=True), "needs initial_damping"),
+        (dict(use_adaptive_learning_rate=True, norm_constraint=1.0), "norm_constraint cannot"),
+        (dict(estimation_mode="fisher_magic"), "Unknown estimation_mode 'fisher_magic'"),
+        (dict(inverse_update_period=0), "inverse_update_period must be an integer >= 1"),
+        (dict(curvature_update_period=3, inverse_update_period=2),
+         r"curvature_update_period \(3\) is larger than inverse_update_period \(2\)"),
+        (dict(damping_adaptation_decay=1.5), "damping_adaptation_decay must be in"),
+        (dict(damping_lower_threshold=0.9), "damping_lower_threshold"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Optimizer(VG, l2_reg=0.0, **kwargs)
+
+
+def test_multi_device_is_not_implemented_yet():
+    with pytest.raises(NotImplementedError, match="multi_device=True is not implemented"):
+        Optimizer(VG, l2_reg=0.0, multi_device=True)
+
+
+def test_a_value_and_grad_without_wrapped_needs_value_func():
+    def opaque(params, batch):
+        return VG(params, batch)
+
+    with pytest.raises(ValueError, match="pass value_func=loss"):
+        Optimizer(opaque, l2_reg=0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(momentum=0.9, damping=0.1), "Missing learning_rate"),
+        (dict(learning_rate=0.1, damping=0.1), "Missing momentum"),
+        (dict(learning_rate=0.1, momentum=0.9), "Missing damping"),
+    ],
+)
+def test_missing_hyperparameters(opt_and_state, kwargs, match):
+    opt, state = opt_and_state
+    with pytest.raises(ValueError, match=match):
+        opt.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH, **kwargs)
+
+
+def test_values_for_adapted_or_scheduled_quantities():
+    adaptive = Optimizer(VG, l2_reg=0.0, use_adaptive_learning_rate=True, num_burnin_steps=0)
+    state = adaptive.init(PROBLEM.params, jax.random.key(0), BATCH)
+    with pytest.raises(ValueError, match="use_adaptive_learning_rate=True, so do not pass"):
+        adaptive.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH, **FIXED)
+    scheduled = Optimizer(VG, l2_reg=0.0, damping_schedule=lambda s: 0.1, num_burnin_steps=0)
+    state = scheduled.init(PROBLEM.params, jax.random.key(0), BATCH)
+    with pytest.raises(ValueError, match="damping_schedule was given to the optimizer"):
+        scheduled.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH, **FIXED)
+
+
+def test_batch_arguments(opt_and_state):
+    opt, state = opt_and_state
+    with pytest.raises(ValueError, match="exactly one of data_iterator= and batch="):
+        opt.step(PROBLEM.params, state, jax.random.key(0), **FIXED)
+    with pytest.raises(ValueError, match="exactly one of data_iterator= and batch="):
+        opt.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH,
+                 data_iterator=iter([BATCH]), **FIXED)
+    smaller = (BATCH[0][:3], BATCH[1][:3])
+    with pytest.raises(ValueError, match=r"got \(float64\[3, 3\], int64\[3\]\), expected "
+                                         r"\(float64\[5, 3\], int64\[5\]\)"):
+        opt.step(PROBLEM.params, state, jax.random.key(0), batch=smaller, **FIXED)
+    with pytest.raises(ValueError, match="batch from data_iterator does not have"):
+        opt.step(PROBLEM.params, state, jax.random.key(0), data_iterator=iter([smaller]),
+                 **FIXED)
+
+
+def test_func_state_arguments(opt_and_state):
+    opt, state = opt_and_state
+    with pytest.raises(ValueError, match="func_state was given but value_func_has_state=False"):
+        opt.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH, func_state={"a": 1},
+                 **FIXED)
+    stateful = Optimizer(VG, l2_reg=0.0, value_func_has_state=True)
+    with pytest.raises(ValueError, match="value_func_has_state=True but func_state is None"):
+        stateful.init(PROBLEM.params, jax.random.key(0), BATCH)
+
+
+def test_data_iterator_inside_jit(opt_and_state):
+    opt, state = opt_and_state
+
+    @jax.jit
+    def inside(state):
+        return opt.step(PROBLEM.params, state, jax.random.key(0), data_iterator=iter([BATCH]),
+                        **FIXED)
+
+    with pytest.raises(ValueError, match="data_iterator cannot be used inside jit"):
+        inside(state)
+
+
+def test_state_must_come_from_init(opt_and_state):
+    opt, _ = opt_and_state
+    # The message is ours, or the run-time type checker's when it is on (as in this suite).
+    with pytest.raises(TypeError, match="state"):
+        opt.step(PROBLEM.params, {"step": jnp.zeros(())}, jax.random.key(0), batch=BATCH,
+                 **FIXED)

@@ -1,0 +1,285 @@
+"""The effect of each `Optimizer` option, checked against dense references.
+
+The references use the estimator's dense matrix (`to_dense_matrix`, tested against brute force in
+the estimator tests), `numpy.linalg.solve` and `jax.grad`, never the optimizer's own code path.
+"""
+
+import itertools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from models import mlp_classification
+
+from eqx_kfac._blocks import DenseFull
+from eqx_kfac._optimizer import Optimizer
+
+
+PROBLEM = mlp_classification(jax.random.key(0), sizes=(3, 4, 3), batch=5)
+BATCH = PROBLEM.batch
+VG = eqx.filter_value_and_grad(PROBLEM.loss_fn)
+LR, MOM, DAMP = 0.2, 0.6, 0.05
+
+
+def _flat(tree):
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))
+    return np.concatenate([np.ravel(a) for a in leaves])
+
+
+def _other_batch(seed):
+    x = jax.random.normal(jax.random.key(seed), BATCH[0].shape)
+    y = jax.random.randint(jax.random.key(seed + 1), BATCH[1].shape, 0, 3)
+    return (x, y)
+
+
+def _grad(params, batch):
+    return _flat(jax.grad(PROBLEM.loss_fn)(params, batch))
+
+
+def _fresh_curvature(opt, params, batch, batch_size=None):
+    """The curvature estimate of one batch alone, from a fresh estimator state."""
+    est, _ = opt.estimators((params, batch))
+    state = est.update_curvature_matrix_estimate(
+        est.init(jax.random.key(0)), 0.0, 1.0, batch_size or batch[0].shape[0],
+        jax.random.key(1), (params, batch),
+    )
+    return np.asarray(est.to_dense_matrix(state))
+
+
+def _dense(opt, params, state):
+    est, _ = opt.estimators((params, BATCH))
+    return np.asarray(est.to_dense_matrix(state.estimator_state))
+
+
+def _fixed_opt(**kwargs):
+    return Optimizer(VG, l2_reg=kwargs.pop("l2_reg", 0.0), estimation_mode="ggn_exact",
+                     num_burnin_steps=0, **kwargs)
+
+
+def test_exact_inverses_precondition_with_the_damped_dense_curvature():
+    l2 = 0.01
+    opt = _fixed_opt(l2_reg=l2, use_exact_inverses=True, inverse_update_period=1)
+    params = PROBLEM.params
+    state = opt.init(params, jax.random.key(0), BATCH)
+    velocity = np.zeros_like(_flat(params))
+    for t in range(2):
+        grad = _grad(params, BATCH)
+        new_params, state, stats = opt.step(params, state, jax.random.key(t), batch=BATCH,
+                                            learning_rate=LR, momentum=MOM, damping=DAMP)
+        curvature = _dense(opt, params, state)
+        precon = np.linalg.solve(curvature + (l2 + DAMP) * np.eye(len(grad)), grad)
+        expected = -LR * precon + MOM * velocity
+        np.testing.assert_allclose(_flat(new_params) - _flat(params), expected, rtol=1e-8,
+                                   atol=1e-12)
+        velocity = expected
+        params = new_params
+
+
+def test_approximate_inverses_differ_from_exact_and_match_the_estimator():
+    opt = _fixed_opt(use_exact_inverses=False, inverse_update_period=1)
+    params = PROBLEM.params
+    state = opt.init(params, jax.random.key(0), BATCH)
+    new_params, state, _ = opt.step(params, state, jax.random.key(0), batch=BATCH,
+                                    learning_rate=LR, momentum=MOM, damping=DAMP)
+    est, _ = opt.estimators((params, BATCH))
+    grads = eqx.filter(jax.grad(PROBLEM.loss_fn)(params, BATCH), eqx.is_inexact_array)
+    pi_adjusted = _flat(est.multiply_inverse(state.estimator_state, grads, DAMP,
+                                             exact_power=False))
+    delta = _flat(new_params) - _flat(params)
+    np.testing.assert_allclose(delta, -LR * pi_adjusted, rtol=1e-10, atol=1e-14)
+    exact = np.linalg.solve(_dense(opt, params, state) + DAMP * np.eye(delta.size),
+                            _grad(params, BATCH))
+    assert np.abs(delta + LR * exact).max() > 1e-3 * np.abs(delta).max()
+
+
+def test_cached_inverses_and_curvature_moving_average():
+    ema = 0.8
+    # Full blocks: their moving average is linear in the curvature (K-FAC averages each factor).
+    opt = _fixed_opt(use_exact_inverses=True, inverse_update_period=2, curvature_ema=ema,
+                     layer_tag_to_block_ctor={"dense": DenseFull})
+    params0 = PROBLEM.params
+    state = opt.init(params0, jax.random.key(0), BATCH)
+    params1, state, _ = opt.step(params0, state, jax.random.key(0), batch=BATCH,
+                                 learning_rate=LR, momentum=MOM, damping=DAMP)
+    curvature0 = _dense(opt, params0, state)
+    np.testing.assert_allclose(curvature0, _fresh_curvature(opt, params0, BATCH), rtol=1e-10,
+                               atol=1e-14)
+    params2, state, _ = opt.step(params1, state, jax.random.key(1), batch=BATCH,
+                                 learning_rate=LR, momentum=MOM, damping=DAMP)
+    # The moving average is normalised by its total weight.
+    curvature1 = _dense(opt, params1, state)
+    expected1 = (ema * curvature0 + _fresh_curvature(opt, params1, BATCH)) / (ema + 1.0)
+    np.testing.assert_allclose(curvature1, expected1, rtol=1e-10, atol=1e-14)
+    # Step 1 is not a refresh step: it preconditions with the inverse cached at step 0.
+    eye = np.eye(curvature0.shape[0])
+    delta0 = _flat(params1) - _flat(params0)
+    precon = np.linalg.solve(curvature0 + DAMP * eye, _grad(params1, BATCH))
+    np.testing.assert_allclose(_flat(params2) - _flat(params1), -LR * precon + MOM * delta0,
+                               rtol=1e-8, atol=1e-12)
+    # Step 2 refreshes the cache with the current curvature.
+    params3, state, _ = opt.step(params2, state, jax.random.key(2), batch=BATCH,
+                                 learning_rate=LR, momentum=MOM, damping=DAMP)
+    precon = np.linalg.solve(_dense(opt, params2, state) + DAMP * eye, _grad(params2, BATCH))
+    np.testing.assert_allclose(_flat(params3) - _flat(params2),
+                               -LR * precon + MOM * (_flat(params2) - _flat(params1)),
+                               rtol=1e-8, atol=1e-12)
+
+
+def test_schedules_equal_fixed_values_step_by_step():
+    seen = []
+
+    def damping_schedule(step, data_seen):
+        seen.append(True)
+        return DAMP * (1.0 + data_seen / 10.0)
+
+    scheduled = _fixed_opt(learning_rate_schedule=lambda step: LR / (1.0 + step),
+                           momentum_schedule=lambda step: MOM * step / (1.0 + step),
+                           damping_schedule=damping_schedule, inverse_update_period=1)
+    fixed = _fixed_opt(inverse_update_period=1)
+    params_s = params_f = PROBLEM.params
+    state_s = scheduled.init(params_s, jax.random.key(0), BATCH)
+    state_f = fixed.init(params_f, jax.random.key(0), BATCH)
+    for t in range(3):
+        params_s, state_s, stats = scheduled.step(params_s, state_s, jax.random.key(t),
+                                                  batch=BATCH)
+        values = dict(learning_rate=LR / (1.0 + t), momentum=MOM * t / (1.0 + t),
+                      damping=DAMP * (1.0 + 5 * t / 10.0))
+        params_f, state_f, _ = fixed.step(params_f, state_f, jax.random.key(t), batch=BATCH,
+                                          **values)
+        for key, value in values.items():
+            np.testing.assert_allclose(float(stats[key]), value, rtol=1e-12)
+        np.testing.assert_allclose(_flat(params_s), _flat(params_f), rtol=1e-12, atol=1e-15)
+    assert seen, "the damping schedule was never called with data_seen"
+
+
+def test_norm_constraint_scales_the_preconditioned_gradient():
+    bound = 1e-3
+    constrained = _fixed_opt(norm_constraint=bound, inverse_update_period=1)
+    free = _fixed_opt(inverse_update_period=1)
+    params = PROBLEM.params
+    out_c = constrained.step(params, constrained.init(params, jax.random.key(0), BATCH),
+                             jax.random.key(0), batch=BATCH, learning_rate=LR, momentum=MOM,
+                             damping=DAMP)
+    out_f = free.step(params, free.init(params, jax.random.key(0), BATCH), jax.random.key(0),
+                      batch=BATCH, learning_rate=LR, momentum=MOM, damping=DAMP)
+    delta_free = _flat(out_f[0]) - _flat(params)
+    precon = delta_free / -LR
+    sq_norm = LR**2 * precon @ _grad(params, BATCH)
+    assert sq_norm > bound  # so that the constraint is active
+    np.testing.assert_allclose(float(out_c[2]["scaled_grad_norm_sq"]), sq_norm, rtol=1e-10)
+    np.testing.assert_allclose(_flat(out_c[0]) - _flat(params),
+                               delta_free * np.sqrt(bound / sq_norm), rtol=1e-9, atol=1e-15)
+
+
+def test_burn_in_from_a_data_iterator_averages_its_batches():
+    ema = 0.95
+    opt = Optimizer(VG, l2_reg=0.0, estimation_mode="ggn_exact", num_burnin_steps=2,
+                    curvature_ema=ema, inverse_update_period=1,
+                    layer_tag_to_block_ctor={"dense": DenseFull})
+    params = PROBLEM.params
+    batches = [_other_batch(10), _other_batch(20), BATCH, _other_batch(30)]
+    iterator = iter(batches)
+    state = opt.init(params, jax.random.key(0), BATCH)
+    params1, state, stats = opt.step(params, state, jax.random.key(0), data_iterator=iterator,
+                                     learning_rate=LR, momentum=MOM, damping=DAMP)
+    assert next(iterator) is batches[3]  # two burn-in batches and one step batch were drawn
+    burnin = [_fresh_curvature(opt, params, b) for b in batches[:2]]
+    expected = (ema * (burnin[0] + burnin[1]) + _fresh_curvature(opt, params, BATCH)) / (2 * ema + 1)
+    np.testing.assert_allclose(_dense(opt, params, state), expected, rtol=1e-10, atol=1e-14)
+    assert int(stats["data_seen"]) == 5  # burn-in batches do not count as data seen
+    # Later steps draw one batch each and do no burn-in.
+    iterator = iter([BATCH, _other_batch(40)])
+    opt.step(params1, state, jax.random.key(1), data_iterator=iterator, learning_rate=LR,
+             momentum=MOM, damping=DAMP)
+    assert len(list(iterator)) == 1
+
+
+def test_burn_in_on_the_first_batch_equals_burn_in_from_repeats():
+    # Sampled estimation: burn-in updates draw their own keys, so burn-in changes the estimate.
+    opt = Optimizer(VG, l2_reg=0.0, estimation_mode="fisher_gradients", num_burnin_steps=3,
+                    inverse_update_period=1)
+    params = PROBLEM.params
+    state0 = opt.init(params, jax.random.key(0), BATCH)
+    out_batch = opt.step(params, state0, jax.random.key(5), batch=BATCH, learning_rate=LR,
+                         momentum=MOM, damping=DAMP)
+    out_iter = opt.step(params, state0, jax.random.key(5), data_iterator=itertools.repeat(BATCH),
+                        learning_rate=LR, momentum=MOM, damping=DAMP)
+    np.testing.assert_allclose(_flat(out_batch[0]), _flat(out_iter[0]), rtol=1e-12)
+    np.testing.assert_allclose(_dense(opt, params, out_batch[1]), _dense(opt, params, out_iter[1]),
+                               rtol=1e-12, atol=1e-15)
+    # A single sampled update (no burn-in) gives another estimate.
+    est, _ = opt.estimators((params, BATCH))
+    single = est.update_curvature_matrix_estimate(est.init(None), 0.0, 1.0, 5, jax.random.key(5),
+                                                  (params, BATCH))
+    assert not np.allclose(np.asarray(est.to_dense_matrix(single)),
+                           _dense(opt, params, out_batch[1]))
+
+
+def test_stats_norms_batch_processing_and_batch_size_extractor():
+    opt = _fixed_opt(include_norms_in_stats=True, include_per_param_norms_in_stats=True,
+                     batch_process_func=lambda b: (b["x"], b["y"]),
+                     batch_size_extractor=lambda b: 2 * b[0].shape[0], inverse_update_period=1)
+    params = PROBLEM.params
+    batch = {"x": BATCH[0], "y": BATCH[1]}
+    state = opt.init(params, jax.random.key(0), batch)
+    new_params, state, stats = opt.step(params, state, jax.random.key(0), batch=batch,
+                                        learning_rate=LR, momentum=MOM, damping=DAMP)
+    assert int(stats["data_seen"]) == 10 and int(stats["batch_size"]) == 10
+    # Curvature statistics are divided by the extracted batch size.
+    np.testing.assert_allclose(_dense(opt, params, state),
+                               _fresh_curvature(opt, params, BATCH, batch_size=10), rtol=1e-10,
+                               atol=1e-14)
+    grad = _grad(params, BATCH)
+    delta = _flat(new_params) - _flat(params)
+    np.testing.assert_allclose(float(stats["grad_norm"]), np.linalg.norm(grad), rtol=1e-12)
+    np.testing.assert_allclose(float(stats["update_norm"]), np.linalg.norm(delta), rtol=1e-12)
+    np.testing.assert_allclose(float(stats["precon_grad_norm"]), np.linalg.norm(delta) / LR,
+                               rtol=1e-12)
+    np.testing.assert_allclose(float(stats["param_norm"]), np.linalg.norm(_flat(new_params)),
+                               rtol=1e-12)
+    np.testing.assert_allclose(float(stats["update_norm(layers[0].weight)"]),
+                               np.linalg.norm(new_params.layers[0].weight
+                                              - params.layers[0].weight), rtol=1e-12)
+    for prefix in ("param_norm", "grad_norm", "precon_grad_norm", "update_norm"):
+        assert {k for k in stats if k.startswith(prefix + "(")} == {
+            f"{prefix}(layers[{i}].{name})" for i in range(2) for name in ("weight", "bias")}
+
+
+@pytest.mark.parametrize("adaptive", ["learning_rate", "momentum"])
+def test_one_adaptive_coefficient_minimises_the_exact_quadratic_model(adaptive):
+    opt = Optimizer(VG, l2_reg=0.0, estimation_mode="ggn_exact", num_burnin_steps=0,
+                    inverse_update_period=1, **{f"use_adaptive_{adaptive}": True})
+    fixed = dict(learning_rate=LR, momentum=MOM, damping=DAMP)
+    del fixed[adaptive]
+    params = PROBLEM.params
+    state = opt.init(params, jax.random.key(0), BATCH)
+    params1, state, _ = opt.step(params, state, jax.random.key(0), batch=BATCH, **fixed)
+    params2, state, stats = opt.step(params1, state, jax.random.key(1), batch=BATCH, **fixed)
+    # Brute-force GGN at params1 from jax.jacobian of the logits.
+    flat1, unravel = jax.flatten_util.ravel_pytree(eqx.filter(params1, eqx.is_inexact_array))
+    static = eqx.filter(params1, eqx.is_inexact_array, inverse=True)
+    logits_of = lambda v: jax.vmap(eqx.combine(unravel(v), static))(BATCH[0])  # noqa: E731
+    jac = np.asarray(jax.jacobian(logits_of)(flat1))
+    probs = np.asarray(jax.nn.softmax(logits_of(flat1)))
+    ggn = sum(j.T @ (np.diag(p) - np.outer(p, p)) @ j for j, p in zip(jac, probs)) / 5
+    velocity = _flat(params1) - _flat(params)
+    delta = _flat(params2) - _flat(params1)
+    lr, mom = float(stats["learning_rate"]), float(stats["momentum"])
+    precon = (delta - mom * velocity) / -lr
+    grad = _grad(params1, BATCH)
+
+    def model(lr_, mom_):
+        d = -lr_ * precon + mom_ * velocity
+        return 0.5 * d @ (ggn + DAMP * np.eye(d.size)) @ d + grad @ d
+
+    # The adapted coefficient is a stationary point of the damped model along it.
+    eps = 1e-5 * (abs(lr) if adaptive == "learning_rate" else max(abs(mom), 1e-3))
+    if adaptive == "learning_rate":
+        assert mom == MOM
+        slope = (model(lr + eps, mom) - model(lr - eps, mom)) / (2 * eps)
+    else:
+        assert lr == LR
+        slope = (model(lr, mom + eps) - model(lr, mom - eps)) / (2 * eps)
+    assert abs(slope) < 1e-7 * abs(model(lr, mom))

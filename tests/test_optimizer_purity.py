@@ -1,0 +1,119 @@
+"""`step` is pure: same result inside a user's jit, compiled once, checkpoints resume bit-for-bit,
+non-finite steps change nothing, and the registration report is logged."""
+
+import io
+import logging
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from models import mlp_classification
+
+from eqx_kfac._optimizer import Optimizer
+
+
+PROBLEM = mlp_classification(jax.random.key(0))
+BATCH = PROBLEM.batch
+TRACES = []
+
+
+def _counting_loss(params, batch):
+    TRACES.append(True)  # runs only while tracing, never at run time
+    return PROBLEM.loss_fn(params, batch)
+
+
+# Adaptive everything, with cached inverses and burn-in: every state field moves.
+OPT = Optimizer(eqx.filter_value_and_grad(_counting_loss), l2_reg=1e-3,
+                use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                use_adaptive_damping=True, initial_damping=1.0, damping_adaptation_interval=2,
+                inverse_update_period=2, num_burnin_steps=2)
+
+
+def _run(params, state, keys, batches=None):
+    for i, key in enumerate(keys):
+        batch = BATCH if batches is None else batches[i]
+        params, state, stats = OPT.step(params, state, key, batch=batch)
+    return params, state, stats
+
+
+def _assert_trees_equal(a, b):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_step_inside_user_jit_equals_direct_call_and_compiles_once():
+    state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
+    keys = [jax.random.key(i) for i in range(3)]
+    first = _run(PROBLEM.params, state0, keys[:1])
+    traces = len(TRACES)
+    direct = _run(*first[:2], keys[1:])
+    assert len(TRACES) == traces  # later calls reuse the compiled step: no new trace
+
+    @eqx.filter_jit
+    def user_step(params, state, key, batch):
+        return OPT.step(params, state, key, batch=batch)
+
+    params, state = PROBLEM.params, state0
+    for key in keys:
+        params, state, stats = user_step(params, state, key, BATCH)
+    for x, y in zip(jax.tree.leaves((params, state, stats)), jax.tree.leaves(direct)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=1e-15)
+    assert int(state.step_counter) == 3
+
+
+def test_checkpoint_resume_is_bit_identical():
+    keys = [jax.random.key(i) for i in range(4)]
+    state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
+    uninterrupted = _run(PROBLEM.params, state0, keys)
+    params, state, _ = _run(PROBLEM.params, state0, keys[:2])
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, (params, state))
+    buffer.seek(0)
+    like = (PROBLEM.params, OPT.init(PROBLEM.params, jax.random.key(7), BATCH))
+    params, state = eqx.tree_deserialise_leaves(buffer, like)
+    resumed = _run(params, state, keys[2:])
+    _assert_trees_equal(resumed, uninterrupted)
+
+
+def test_non_finite_step_changes_nothing():
+    state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
+    params1, state1, _ = _run(PROBLEM.params, state0, [jax.random.key(0)])
+    bad = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
+    params2, state2, stats = OPT.step(params1, state1, jax.random.key(1), batch=bad)
+    assert bool(stats["skipped"]) and not np.isfinite(float(stats["loss"]))
+    _assert_trees_equal((params2, state2), (params1, state1))
+    # A NaN first batch also leaves the burn-in undone.
+    params_b, state_b, stats_b = OPT.step(PROBLEM.params, state0, jax.random.key(0), batch=bad)
+    assert bool(stats_b["skipped"])
+    _assert_trees_equal((params_b, state_b), (PROBLEM.params, state0))
+    # The next good step proceeds as if the bad one had not happened.
+    after = OPT.step(params2, state2, jax.random.key(1), batch=BATCH)
+    expected = OPT.step(params1, state1, jax.random.key(1), batch=BATCH)
+    _assert_trees_equal(after, expected)
+    assert not bool(after[2]["skipped"])
+
+
+def test_without_skipping_non_finite_values_propagate():
+    opt = Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=0.0, num_burnin_steps=0,
+                    inverse_update_period=1, skip_non_finite=False)
+    state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    bad = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
+    params, state, stats = opt.step(PROBLEM.params, state, jax.random.key(0), batch=bad,
+                                    learning_rate=0.1, momentum=0.0, damping=0.1)
+    assert not bool(stats["skipped"])
+    assert int(state.step_counter) == 1
+    assert np.isnan(np.asarray(params.layers[0].weight)).any()
+
+
+def test_registration_report_is_logged_once(caplog):
+    opt = Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=0.0)
+    with caplog.at_level(logging.INFO, logger="eqx_kfac"):
+        opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+        opt.init(PROBLEM.params, jax.random.key(1), BATCH)
+    records = [r for r in caplog.records if r.name == "eqx_kfac"]
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert "layers[0].weight" in message and "DenseTwoKroneckerFactored" in message

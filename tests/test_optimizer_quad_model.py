@@ -1,0 +1,135 @@
+"""The quadratic-model and damping math of `_quad_model.py`, against numpy written from the formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from eqx_kfac._quad_model import (
+    QuadraticModel,
+    all_finite,
+    gram_matrix,
+    levenberg_marquardt_damping,
+    norm_constraint_scale,
+    quadratic_model,
+    solve_quadratic_model,
+)
+
+
+def _random_model(seed, n=2):
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((n, 6))
+    c_half = rng.standard_normal((6, 6))
+    c = c_half @ c_half.T
+    g = rng.standard_normal(6)
+    return v, c, g
+
+
+def _model(v, c, g):
+    v, c, g = jnp.asarray(v), jnp.asarray(c), jnp.asarray(g)
+    vectors = [{"w": row[:4].reshape(2, 2), "b": row[4:]} for row in v]
+    products = [{"w": (c @ row)[:4].reshape(2, 2), "b": (c @ row)[4:]} for row in v]
+    grads = {"w": g[:4].reshape(2, 2), "b": g[4:]}
+    return quadratic_model(vectors, grads, gram_matrix(vectors, products))
+
+
+@jax.jit
+def _model_and_solutions(v, c, g, damping, l2):
+    model = _model(v, c, g)
+    free = solve_quadratic_model(model, damping, l2, (None, None))
+    damped = solve_quadratic_model(model, damping, l2, (None, None), True)
+    return model, free, damped
+
+
+@given(st.integers(0, 10_000), st.floats(0.0, 2.0), st.floats(0.0, 0.5))
+def test_both_free_coefficients_minimise_the_damped_model(seed, damping, l2):
+    v, c, g = _random_model(seed)
+    model, ((w0, w1), change), (_, change_damped) = _model_and_solutions(v, c, g, damping, l2)
+    np.testing.assert_allclose(model.a, v @ c @ v.T, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(model.d, v @ v.T, rtol=1e-12)
+    np.testing.assert_allclose(model.b, v @ g, rtol=1e-12)
+    a = v @ (c + l2 * np.eye(6)) @ v.T
+    w = -np.linalg.solve(a + damping * v @ v.T, v @ g)
+    np.testing.assert_allclose([w0, w1], w, rtol=1e-8)
+    np.testing.assert_allclose(change, 0.5 * w @ a @ w + w @ (v @ g), rtol=1e-8)
+    np.testing.assert_allclose(
+        change_damped, 0.5 * w @ (a + damping * v @ v.T) @ w + w @ (v @ g), rtol=1e-8
+    )
+
+
+@pytest.mark.parametrize("free", [0, 1])
+def test_one_free_coefficient_minimises_along_it(free):
+    v, c, g = _random_model(3)
+    model = _model(v, c, g)
+    damping, l2, known = 0.3, 0.01, 0.7
+    fixed = [None, None]
+    fixed[1 - free] = known
+    coefficients, change = solve_quadratic_model(model, damping, l2, fixed)
+    a_damped = v @ (c + (l2 + damping) * np.eye(6)) @ v.T
+    b = v @ g
+    # q(w) with the known coefficient fixed is a parabola in the free one: its vertex.
+    expected = -(b[free] + a_damped[free, 1 - free] * known) / a_damped[free, free]
+    assert float(coefficients[1 - free]) == known
+    np.testing.assert_allclose(coefficients[free], expected, rtol=1e-10)
+    w = np.array([float(x) for x in coefficients])
+    a = v @ (c + l2 * np.eye(6)) @ v.T
+    np.testing.assert_allclose(change, 0.5 * w @ a @ w + w @ b, rtol=1e-10)
+
+
+def test_zero_previous_update_gives_zero_momentum():
+    v, c, g = _random_model(5)
+    v[1] = 0.0
+    model = _model(v, c, g)
+    (w0, w1), _ = solve_quadratic_model(model, 0.1, 0.0, (None, None))
+    a = v[0] @ c @ v[0] + 0.1 * v[0] @ v[0]
+    assert float(w1) == 0.0
+    np.testing.assert_allclose(w0, -(v[0] @ g) / a, rtol=1e-10)
+
+
+def test_single_vector_model_with_fixed_coefficient():
+    model = QuadraticModel(jnp.array([[2.0]]), jnp.array([[3.0]]), jnp.array([[3.0]]),
+                           jnp.array([-1.0]))
+    (w,), change = solve_quadratic_model(model, 0.5, 0.1, (1.0,))
+    assert float(w) == 1.0
+    np.testing.assert_allclose(change, 0.5 * (2.0 + 0.1 * 3.0) - 1.0, rtol=1e-12)
+    (w_free,), _ = solve_quadratic_model(model, 0.5, 0.1, (None,))
+    np.testing.assert_allclose(w_free, 1.0 / (2.0 + 0.1 * 3.0 + 0.5 * 3.0), rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "new_loss, expected_factor",
+    [(0.9, 1.0 / 0.59049), (0.5, 1.0), (0.1, 0.59049), (np.nan, 1.0 / 0.59049)],
+)
+def test_levenberg_marquardt_follows_rho(new_loss, expected_factor):
+    # quad change -1 and old loss 1: rho = 1 - new_loss.
+    damping, rho = levenberg_marquardt_damping(
+        1.0, new_loss, -1.0, 0.2, lower_threshold=0.25, upper_threshold=0.75,
+        decay_factor=0.9**5, min_damping=1e-8, max_damping=np.inf,
+    )
+    np.testing.assert_allclose(damping, 0.2 * expected_factor, rtol=1e-12)
+    np.testing.assert_allclose(rho, (new_loss - 1.0) / -1.0, rtol=1e-12)
+
+
+def test_levenberg_marquardt_clips():
+    low, _ = levenberg_marquardt_damping(1.0, 0.0, -1.0, 1e-3, lower_threshold=0.25,
+                                         upper_threshold=0.75, decay_factor=0.5,
+                                         min_damping=1e-3, max_damping=1.0)
+    high, _ = levenberg_marquardt_damping(1.0, 2.0, -1.0, 0.8, lower_threshold=0.25,
+                                          upper_threshold=0.75, decay_factor=0.5,
+                                          min_damping=1e-3, max_damping=1.0)
+    assert float(low) == 1e-3 and float(high) == 1.0
+
+
+def test_norm_constraint_scale():
+    scale, sq = norm_constraint_scale(8.0, 0.5, 0.5)
+    np.testing.assert_allclose(sq, 2.0)
+    np.testing.assert_allclose(scale, 0.5)
+    scale, _ = norm_constraint_scale(8.0, 0.5, 10.0)
+    assert float(scale) == 1.0
+
+
+def test_all_finite():
+    assert bool(all_finite({"a": jnp.ones(2), "b": None, "n": jnp.arange(3)}))
+    assert not bool(all_finite({"a": jnp.array([1.0, jnp.inf])}))
+    assert not bool(all_finite([jnp.ones(2), jnp.array(jnp.nan)]))
