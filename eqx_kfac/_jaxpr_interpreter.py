@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Var
 
 _CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _CUSTOM_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
@@ -208,7 +208,8 @@ def _bind(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
     # how primitives spell their bind parameters (`get_bind_params` changed across JAX releases).
     invars = [Var(v.aval) for v in eqn.invars]
     outvars = [Var(v.aval) for v in eqn.outvars]
-    jaxpr = Jaxpr([], invars, outvars, [eqn.replace(invars=invars, outvars=outvars)], eqn.effects)
+    debug = DebugInfo("eqx_kfac", eqn.primitive.name, None, None)
+    jaxpr = Jaxpr([], invars, outvars, [eqn.replace(invars=invars, outvars=outvars)], eqn.effects, debug)
     return jax.core.eval_jaxpr(jaxpr, [], *invals)
 
 
