@@ -371,7 +371,11 @@ _VALIDATORS = {
     dense_tag: lambda m, ys, xs, ps: register_dense(*ys, *xs, *ps, weight_layout=m["weight_layout"]),
     conv2d_tag: lambda m, ys, xs, ps: register_conv2d(*ys, *xs, *ps, **{k: m[k] for k in _CONV_KEYS}),
     scale_and_shift_tag: lambda m, ys, xs, ps: register_scale_and_shift(
-        *ys, *xs, scale=ps[0] if m["has_scale"] else None, shift=ps[-1] if m["has_shift"] else None
+        *ys,
+        *xs,
+        scale=ps[0] if m["has_scale"] else None,
+        shift=ps[-1] if m["has_shift"] else None,
+        param_axes=m.get("param_axes"),
     ),
 }
 
@@ -552,9 +556,12 @@ class _TagBinder(JaxprHook):
 # Default patterns
 
 
-def _vmapped(f: Callable[[Any], Any], x: Any) -> Any:
-    """Applies a per-example function to `x` with one `vmap` per leading (batch) axis."""
-    for _ in range(x.ndim - 1):
+def _vmapped(f: Callable[[Any], Any], x: Any, n_batch: int | None = None) -> Any:
+    """Applies a per-example function to `x` with one `vmap` per leading batch axis.
+
+    `n_batch` is the number of batch axes; by default all but the last axis.
+    """
+    for _ in range(x.ndim - 1 if n_batch is None else n_batch):
         f = jax.vmap(f)
     return f(x)
 
@@ -605,6 +612,50 @@ def _scale_and_shift(has_scale: bool, has_shift: bool) -> Callable[[Any, Any], A
     return compute
 
 
+def _left_broadcast(p: Any, x: Any) -> Any:
+    """`p` aligned with the leading axes of `x` and broadcast along the rest (as Equinox's
+    `left_broadcast_to`, which `eqx.nn.GroupNorm` applies to its channel weight and bias)."""
+    return jnp.broadcast_to(jnp.reshape(p, p.shape + (1,) * (x.ndim - p.ndim)), x.shape)
+
+
+def _leading_scale_and_shift(has_scale: bool, has_shift: bool) -> Callable[[Any, Any], Any]:
+    def one(v, params):
+        params = list(params)
+        if has_scale:
+            v = _left_broadcast(params.pop(0), v) * v
+        return v + _left_broadcast(params.pop(0), v) if has_shift else v
+
+    def compute(x, params):
+        # The examples size batch axes from `_BATCH` and feature axes never, so the batch axes are
+        # the leading ones sized from `_BATCH`.
+        n_batch = next(i for i, d in enumerate(x.shape) if d not in _BATCH)
+        return _vmapped(lambda v: one(v, params), x, n_batch)
+
+    return compute
+
+
+def _leading_meta(has_scale: bool, has_shift: bool) -> Callable[[Sequence[JaxprEqn]], dict[str, Any] | None]:
+    """Reads `param_axes` off the parameters' reshapes to `(*param_shape, 1, ..., 1)`."""
+
+    def extract(eqns):
+        found = set()
+        for eqn in eqns:
+            if eqn.primitive.name != "reshape":
+                continue
+            shape = tuple(eqn.invars[0].aval.shape)
+            new_sizes = tuple(int(d) for d in eqn.params["new_sizes"])
+            # The pattern compares reshapes by rank only: any other target shape of that rank
+            # (e.g. `(1, c)` instead of `(c, 1)`) aligns the parameter differently.
+            if new_sizes != shape + (1,) * (len(new_sizes) - len(shape)):
+                return None
+            found.add(tuple(range(-len(new_sizes), len(shape) - len(new_sizes))))
+        if len(found) != 1:
+            return None
+        return dict(has_scale=has_scale, has_shift=has_shift, param_axes=found.pop())
+
+    return extract
+
+
 def _fixed_meta(**meta: Any) -> Callable[[Sequence[JaxprEqn]], dict[str, Any]]:
     """An extractor for patterns whose tag parameters do not depend on the matched equations."""
     return lambda eqns: dict(meta)
@@ -646,6 +697,21 @@ def _dense_examples(weight_shape: tuple[int, int], bias: bool) -> list[_ExampleA
 def _conv_examples(x_shape, w_shape, bias_shape) -> list[_ExampleArgs]:
     params = (_f32(*w_shape), _f32(*bias_shape)) if bias_shape else (_f32(*w_shape),)
     return [(_f32(*x_shape), params)]
+
+
+_FEATURES = (3, 4, 5, 6)
+
+
+def _leading_scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
+    """Per-example inputs of rank 2 to 4 (e.g. `(channels, *spatial)`) under one or two vmaps,
+    with parameters along their first 1 to rank - 1 axes."""
+    examples = []
+    for n_batch in (1, 2):
+        for x_rank in (2, 3, 4):
+            for p_rank in range(1, x_rank):
+                p = _f32(*_FEATURES[:p_rank])
+                examples.append((_f32(*_BATCH[:n_batch], *_FEATURES[:x_rank]), (p,) * n_params))
+    return examples
 
 
 def _scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
@@ -691,7 +757,14 @@ def _make_default_patterns() -> tuple[GraphPattern, ...]:
             GraphPattern(
                 name, scale_and_shift_tag, _scale_and_shift(has_scale, has_shift),
                 _scale_and_shift_examples(has_scale + has_shift),
-                _fixed_meta(has_scale=has_scale, has_shift=has_shift), precedence,
+                _fixed_meta(has_scale=has_scale, has_shift=has_shift, param_axes=None), precedence,
+            )
+        )
+        patterns.append(
+            GraphPattern(
+                f"leading_{name}", scale_and_shift_tag, _leading_scale_and_shift(has_scale, has_shift),
+                _leading_scale_and_shift_examples(has_scale + has_shift),
+                _leading_meta(has_scale, has_shift), precedence,
             )
         )
     return tuple(patterns)

@@ -15,6 +15,7 @@ layer registered per example (the Equinox way) becomes a batched layer.
 """
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -337,8 +338,40 @@ def register_conv2d(y: Array, x: Array, w: Array, b: Array | None = None, **conv
     return conv2d_tag.bind(*args, **params, has_bias=b is not None, origin="manual")[0]
 
 
+def _normalize_param_axes(
+    what: str, param_axes: Sequence[int], x_shape: tuple[int, ...], params: Sequence[Array]
+) -> tuple[int, ...] | None:
+    """Checks `param_axes` and returns them counted from the end of `x` (`None`: trailing)."""
+    rank = len(x_shape)
+    try:
+        axes = tuple(operator.index(a) for a in param_axes)
+    except TypeError as e:
+        raise TypeError(f"{what}: param_axes must be a sequence of ints, got {param_axes!r}.") from e
+    if any(not -rank <= a < rank for a in axes):
+        raise ValueError(f"{what}: param_axes {axes} are out of range for x of rank {rank}.")
+    # Counted from the end, the axes stay the same when vmap adds batch axes in front of x.
+    axes = tuple(a - rank if a >= 0 else a for a in axes)
+    if any(a >= b for a, b in zip(axes, axes[1:])):
+        raise ValueError(f"{what}: param_axes {param_axes} must name distinct axes of x in increasing order.")
+    for p in params:
+        ps = jnp.shape(p)
+        if len(ps) != len(axes) or any(d not in (1, x_shape[a]) for d, a in zip(ps, axes)):
+            raise _shape_error(
+                what,
+                f"with param_axes={param_axes}, scale and shift must have one dimension per axis, "
+                f"each 1 or equal to x's size there; x has sizes {tuple(x_shape[a] for a in axes)} "
+                "on those axes.",
+            )
+    return None if axes == tuple(range(-len(axes), 0)) else axes
+
+
 def register_scale_and_shift(
-    y: Array, x: Array, scale: Array | None = None, shift: Array | None = None
+    y: Array,
+    x: Array,
+    scale: Array | None = None,
+    shift: Array | None = None,
+    *,
+    param_axes: Sequence[int] | None = None,
 ) -> Array:
     """Registers an elementwise affine layer `y = x * scale + shift`.
 
@@ -346,7 +379,15 @@ def register_scale_and_shift(
 
     - `y`: the layer output, same shape as `x`.
     - `x`: the layer input.
-    - `scale`, `shift`: optional parameters (at least one), broadcast against the trailing dims of `x`.
+    - `scale`, `shift`: optional parameters (at least one). By default they broadcast against the
+      trailing dims of `x` (as in `eqx.nn.LayerNorm`).
+    - `param_axes`: the axes of `x` that the parameters' dimensions lie along, one per dimension,
+      in increasing order, for parameters aligned with other axes than the trailing ones. For
+      example `eqx.nn.GroupNorm` scales a per-example `x` of shape `(channels, *spatial)` by a
+      `(channels,)` weight: `param_axes=(0,)` (per example) or `(1,)` (on a batch). The axes are
+      stored counted from the end of `x` (here `(-3,)` for two spatial axes), so they are the same
+      whether the layer is registered per example under `jax.vmap` or on the batch; they must not
+      include the batch axis.
 
     **Returns:**
 
@@ -360,15 +401,27 @@ def register_scale_and_shift(
         raise ValueError(f"{what}: give at least one of scale and shift.")
     if jnp.shape(y) != jnp.shape(x):
         raise _shape_error(what, "y and x must have the same shape.")
-    for p in (scale, shift):
-        if p is not None:
+    params = tuple(p for p in (scale, shift) if p is not None)
+    if param_axes is None:
+        for p in params:
             ps, xs = jnp.shape(p), jnp.shape(x)
             trailing = xs[len(xs) - len(ps) :] if ps else ()
             if len(ps) > len(xs) or any(a not in (1, b) for a, b in zip(ps, trailing)):
-                raise _shape_error(what, "scale and shift must broadcast against the trailing dims of x.")
-    params = tuple(p for p in (scale, shift) if p is not None)
+                raise _shape_error(
+                    what,
+                    "scale and shift must broadcast against the trailing dims of x; pass param_axes "
+                    "for parameters aligned with other axes (e.g. the channel axis of GroupNorm).",
+                )
+    else:
+        param_axes = _normalize_param_axes(what, param_axes, jnp.shape(x), params)
     return scale_and_shift_tag.bind(
-        y, x, *params, has_scale=scale is not None, has_shift=shift is not None, origin="manual"
+        y,
+        x,
+        *params,
+        has_scale=scale is not None,
+        has_shift=shift is not None,
+        param_axes=param_axes,
+        origin="manual",
     )[0]
 
 

@@ -17,6 +17,10 @@ from eqx_kfac._blocks import (
     ScaleAndShiftDiagonal,
     ScaleAndShiftFull,
 )
+from eqx_kfac._estimators import BlockDiagonalCurvature
+from eqx_kfac._layer_data import LayerSpec
+from eqx_kfac._losses import register_softmax_cross_entropy_loss
+from models import Problem, block_slices, brute_force_ggn
 
 seeds = st.integers(0, 2**31 - 1)
 LAYERS = [
@@ -161,6 +165,75 @@ def test_scale_and_shift_are_per_example_second_moments(x_shape, param_shape, sc
     )
 
 
+# Parameters along axes other than the trailing ones (`param_axes`, counted from the end of x),
+# each with a reference layer written by hand with explicit indexing.
+AXES_LAYERS = {
+    "group_norm": (
+        (BATCH, 4, 2, 3), (4,), (-3,), True, True,
+        lambda p, x: x * p[0][:, None, None] + p[1][:, None, None],
+    ),
+    "middle-axis-scale": ((BATCH, 2, 3, 4), (3,), (-2,), True, False, lambda p, x: x * p[0][None, :, None]),
+    "broadcast-shift": ((BATCH, 2, 3, 4), (2, 1), (-3, -2), False, True, lambda p, x: x + p[0][:, :, None]),
+    "first-and-last": (
+        (BATCH, 2, 3, 4), (2, 4), (-3, -1), True, True,
+        lambda p, x: x * p[0][:, None, :] + p[1][:, None, :],
+    ),
+}
+
+
+def axes_spec(x_shape, param_shape, param_axes, scale, shift):
+    shapes = (param_shape,) * (scale + shift)
+    return LayerSpec(
+        tag="scale_and_shift",
+        index=1,
+        param_paths=("scale", "shift")[: len(shapes)] if scale else ("shift",),
+        param_indices=tuple(range(len(shapes))),
+        param_shapes=shapes,
+        param_dtypes=(jnp.float64,) * len(shapes),
+        input_shapes=(x_shape,),
+        output_shapes=(x_shape,),
+        meta=(("has_scale", scale), ("has_shift", shift), ("param_axes", param_axes)),
+    )
+
+
+@pytest.mark.parametrize("name", list(AXES_LAYERS))
+@settings(max_examples=3)
+@given(seed=seeds)
+def test_scale_and_shift_along_other_axes_are_per_example_second_moments(name, seed):
+    x_shape, param_shape, param_axes, scale, shift, apply = AXES_LAYERS[name]
+    spec = axes_spec(x_shape, param_shape, param_axes, scale, shift)
+    full = ScaleAndShiftFull(spec)
+    state, data = estimate(full, seed)
+    (x,) = data.inputs
+    (dy,) = data.outputs_tangent
+    params = tuple(jnp.linspace(0.5, 1.5, int(np.prod(s))).reshape(s) for s in spec.param_shapes)
+
+    def per_example(dy_vb, x_b):
+        grads = jax.grad(lambda p: jnp.sum(apply(p, x_b) * dy_vb))(params)
+        return jnp.concatenate([jnp.ravel(g) for g in grads])
+
+    grads = jax.jit(jax.vmap(jax.vmap(per_example), (0, None)))(dy, x).reshape(-1, full.dim)
+    expected = np.asarray(grads.T @ grads) / BATCH
+    np.testing.assert_allclose(full.to_dense_matrix(state), expected, rtol=1e-10, atol=1e-12)
+    diagonal = ScaleAndShiftDiagonal(spec)
+    diag_state, _ = estimate(diagonal, seed)
+    np.testing.assert_allclose(
+        diagonal.to_dense_matrix(diag_state), np.diag(np.diag(expected)), rtol=1e-10, atol=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    "param_shape, param_axes",
+    [((BATCH,), (-4,)), ((2, 3), (-2, -3)), ((2, 3), (-3,))],
+    ids=["batch-axis", "decreasing", "rank"],
+)
+def test_scale_and_shift_blocks_check_param_axes(param_shape, param_axes):
+    spec = axes_spec((BATCH, 2, 3, 4), param_shape, param_axes, True, False)
+    for block in (ScaleAndShiftFull, ScaleAndShiftDiagonal):
+        with pytest.raises(ValueError, match=rf"{block.__name__} cannot handle the scale_and_shift layer #1.*param_axes"):
+            block(spec)
+
+
 @settings(max_examples=5)
 @given(seed=seeds)
 def test_naive_blocks_use_parameter_gradients(seed):
@@ -173,3 +246,52 @@ def test_naive_blocks_use_parameter_gradients(seed):
     np.testing.assert_allclose(
         np.diag(diagonal.to_dense_matrix(diag_state)), np.sum(g * g, axis=0) / BATCH, rtol=1e-12
     )
+
+
+class _GroupNormNet(eqx.Module):
+    norm: eqx.nn.GroupNorm
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.lin(jnp.tanh(self.norm(x)).reshape(-1))
+
+
+def _summed_cross_entropy(logits, labels):
+    return -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=-1))
+
+
+def test_group_norm_model_blocks_are_slices_of_the_exact_ggn(getkey):
+    # End to end: GroupNorm's affine part is found automatically, traced, and its full block is
+    # the (exact-mode) GGN restricted to its parameters.
+    norm = eqx.tree_at(
+        lambda n: (n.weight, n.bias), eqx.nn.GroupNorm(2, 4), (jnp.linspace(0.5, 2.0, 4), jnp.linspace(-1.0, 1.0, 4))
+    )
+    model = _GroupNormNet(norm, eqx.nn.Linear(4 * 2 * 3, 3, key=getkey()))
+    x = jax.random.normal(getkey(), (BATCH, 4, 2, 3))
+    labels = jax.random.randint(getkey(), (BATCH,), 0, 3)
+
+    def outputs_fn(params, x):
+        return (jax.vmap(params)(x),)
+
+    def loss_fn(params, data):
+        x, labels = data
+        (logits,) = outputs_fn(params, x)
+        register_softmax_cross_entropy_loss(logits, labels)
+        return _summed_cross_entropy(logits, labels) / x.shape[0]
+
+    problem = Problem(model, (x, labels), loss_fn, outputs_fn, lambda z, d: _summed_cross_entropy(z[0], d[1]))
+    estimator = BlockDiagonalCurvature(
+        loss_fn, problem.func_args, layer_tag_to_block_ctor={"scale_and_shift": ScaleAndShiftFull, "dense": DenseFull}
+    )
+    state = estimator.init(getkey())
+    state = eqx.filter_jit(estimator.update_curvature_matrix_estimate)(
+        state, 0.0, 1.0, BATCH, getkey(), problem.func_args, "ggn_exact"
+    )
+    norm_block = next(b for b in estimator.blocks if b.spec.param_paths == ("norm.weight", "norm.bias"))
+    assert isinstance(norm_block, ScaleAndShiftFull) and norm_block.spec.get("param_axes") == (-3,)
+    exact = brute_force_ggn(problem)
+    estimate_matrix = np.asarray(estimator.to_dense_matrix(state))
+    for idx in block_slices(estimator):
+        np.testing.assert_allclose(
+            estimate_matrix[np.ix_(idx, idx)], exact[np.ix_(idx, idx)], rtol=1e-10, atol=1e-12
+        )

@@ -220,6 +220,58 @@ def test_cnn(getkey):
     assert sorted(r[3] for r in regs) == ["conv2d_no_bias", "conv2d_with_bias", "linear_with_bias"]
 
 
+class _GroupNormCNN(eqx.Module):
+    conv: eqx.nn.Conv2d
+    norm: eqx.nn.GroupNorm
+    lin: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(2, 4, 3, padding=1, key=k1)
+        self.norm = eqx.nn.GroupNorm(2, 4)
+        self.lin = eqx.nn.Linear(4 * 3 * 2, 2, key=k2)
+
+
+def test_group_norm_affine_is_a_scale_and_shift_layer(getkey):
+    model = _GroupNormCNN(getkey())
+    model = eqx.tree_at(
+        lambda m: (m.norm.weight, m.norm.bias), model, (jnp.linspace(0.5, 2.0, 4), jnp.linspace(-1.0, 1.0, 4))
+    )
+
+    def apply(m, x):
+        h = jnp.tanh(jax.vmap(m.norm)(jax.vmap(m.conv)(x)))
+        return jax.vmap(m.lin)(h.reshape(h.shape[0], -1))
+
+    def twin(m, x):
+        y = register_conv2d(jax.vmap(m.conv)(x), x, m.conv.weight, m.conv.bias, padding=((1, 1), (1, 1)))
+        xhat = jax.vmap(eqx.nn.GroupNorm(2, 4, channelwise_affine=False))(y)
+
+        def affine(v):
+            # Registered per example, with the parameters along the channel axis (axis 0).
+            w, b = m.norm.weight[:, None, None], m.norm.bias[:, None, None]
+            return register_scale_and_shift(w * v + b, v, m.norm.weight, m.norm.bias, param_axes=(0,))
+
+        h = jnp.tanh(jax.vmap(affine)(xhat)).reshape(x.shape[0], -1)
+        return register_dense(jax.vmap(m.lin)(h), h, m.lin.weight, m.lin.bias, weight_layout="out_in")
+
+    regs = _check_against_twin(apply, twin, model, _batch(getkey, (3, 2, 3, 2), (3, 2)))
+    (norm,) = [r for r in regs if r[1] == ("norm.weight", "norm.bias")]
+    assert norm[0] == "scale_and_shift" and norm[3] == "leading_scale_and_shift" and norm[4] == ((3, 4, 3, 2),)
+    assert dict(norm[2]) == {"has_scale": True, "has_shift": True, "param_axes": (-3,)}
+
+
+def test_parameter_reshaped_against_another_axis_is_not_a_leading_scale():
+    # `p.reshape(1, 4)` has the rank of the channel form `p.reshape(4, 1)` but aligns `p` with the
+    # last axis; the x shape (3, 4, 4) would let it pass the shape check on the wrong axis.
+    params = (jnp.linspace(0.5, 1.5, 4),)
+    x = jnp.linspace(-1.0, 1.0, 48).reshape(3, 4, 4)
+    apply = lambda p, x: x * p[0].reshape(1, 4)
+    tagged = auto_register_tags(_loss_of(apply), (params, x))
+    regs = _registrations(tagged, (params, x))
+    assert [(t, paths, origin) for t, paths, _, origin, _, _ in regs] == [("generic", ("[0]",), "unmatched")]
+    _check_value_and_grad(_loss_of(apply), tagged, params, x)
+
+
 class _ScanMLP(eqx.Module):
     first: eqx.nn.Linear
     hidden: eqx.nn.Linear
@@ -301,7 +353,19 @@ _LAYER_FORMS = [
         ("rms_norm", eqx.nn.RMSNorm(5), (2, 5),
          lambda m, x: jax.vmap(m)(x), [("scale_and_shift", "scale_and_shift", ((2, 5),), {"has_scale": True, "has_shift": True})]),
         ("scale_only", (jnp.ones((7, 5)),), (2, 7, 5),
-         lambda p, x: p[0] * x, [("scale_and_shift", "scale_only", ((2, 7, 5),), {"has_scale": True, "has_shift": False})]),
+         lambda p, x: p[0] * x, [("scale_and_shift", "scale_only", ((2, 7, 5),), {"has_scale": True, "has_shift": False, "param_axes": None})]),
+        ("group_norm_nested_vmap", eqx.nn.GroupNorm(2, 4), (2, 3, 4, 5), lambda m, x: jax.vmap(jax.vmap(m))(x),
+         [("scale_and_shift", "leading_scale_and_shift", ((2, 3, 4, 5),), {"has_scale": True, "has_shift": True, "param_axes": (-2,)})]),
+        ("group_norm_unit_spatial", eqx.nn.GroupNorm(2, 4), (3, 4, 1, 1), lambda m, x: jax.vmap(m)(x),
+         [("scale_and_shift", "leading_scale_and_shift", ((3, 4, 1, 1),), {"param_axes": (-3,)})]),
+        # Channels only: the parameters lie along the trailing axis.
+        ("group_norm_channels_only", eqx.nn.GroupNorm(2, 4), (3, 4), lambda m, x: jax.vmap(m)(x),
+         [("scale_and_shift", "scale_and_shift", ((3, 4),), {"param_axes": None})]),
+        # Not GroupNorm-specific: any parameter reshaped to (n, 1, ...) against a middle axis.
+        ("channel_scale_only", (jnp.linspace(0.5, 1.5, 4),), (3, 4, 5),
+         lambda p, x: x * p[0].reshape(4, 1), [("scale_and_shift", "leading_scale_only", ((3, 4, 5),), {"has_scale": True, "has_shift": False, "param_axes": (-2,)})]),
+        ("channel_shift_only", (jnp.linspace(0.5, 1.5, 6).reshape(2, 3),), (3, 2, 3, 5),
+         lambda p, x: x + p[0].reshape(2, 3, 1), [("scale_and_shift", "leading_shift_only", ((3, 2, 3, 5),), {"has_scale": False, "has_shift": True, "param_axes": (-3, -2)})]),
 ]
 
 

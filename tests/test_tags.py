@@ -260,3 +260,64 @@ def test_conv_and_scale_shift_shape_errors():
         register_scale_and_shift(jnp.ones(3), jnp.ones(3))
     with pytest.raises(ValueError, match="trailing dims"):
         register_scale_and_shift(jnp.ones((2, 3)), jnp.ones((2, 3)), jnp.ones(2))
+
+
+def _channel_affine(x, s, t):
+    """`x * s + t` with `s`, `t` of shape `(channels,)` along the first axis of `x`, as GroupNorm."""
+    expand = (slice(None),) + (None,) * (x.ndim - 1)
+    return x * s[expand] + t[expand]
+
+
+def test_scale_and_shift_param_axes_are_kept_under_vmap(getkey):
+    x = jax.random.normal(getkey(), (3, 4, 2, 5))
+    s, t = jax.random.normal(getkey(), (4,)), jax.random.normal(getkey(), (4,))
+
+    def per_example(s, t, x):
+        return register_scale_and_shift(_channel_affine(x, s, t), x, s, t, param_axes=(0,))
+
+    def on_batch(s, t, x):
+        y = jax.vmap(_channel_affine, (0, None, None))(x, s, t)
+        return register_scale_and_shift(y, x, s, t, param_axes=(1,))
+
+    f = lambda s, t, x: jax.vmap(per_example, (None, None, 0))(s, t, x)
+    metas = []
+    for g in (f, on_batch):
+        (ss,) = _tag_eqns(jax.make_jaxpr(g)(s, t, x).jaxpr)
+        assert ss.invars[1].aval.shape == (3, 4, 2, 5) and ss.outvars[0].aval.shape == (3, 4, 2, 5)
+        metas.append(ss.params)
+    # Counted from the end, the axes are the same per example and on the batch.
+    assert metas[0] == metas[1] and metas[0]["param_axes"] == (-3,)
+    plain = lambda s, t, x: jnp.sum(jnp.sin(jax.vmap(_channel_affine, (0, None, None))(x, s, t)))
+    tagged = lambda s, t, x: jnp.sum(jnp.sin(f(s, t, x)))
+    _close(jax.value_and_grad(tagged, (0, 1))(s, t, x), jax.value_and_grad(plain, (0, 1))(s, t, x))
+
+
+def test_scale_and_shift_param_axes_normalisation():
+    x = jnp.ones((3, 4, 5))
+
+    def params_of(**kw):
+        scale = kw.pop("scale")
+        jaxpr = jax.make_jaxpr(lambda s: register_scale_and_shift(x, x, s, **kw))(scale).jaxpr
+        return jaxpr.eqns[-1].params
+
+    # The trailing axes, however written, are the default.
+    assert params_of(scale=jnp.ones(5))["param_axes"] is None
+    assert params_of(scale=jnp.ones((4, 5)), param_axes=(1, -1))["param_axes"] is None
+    assert params_of(scale=jnp.ones((4, 1)), param_axes=(1, 2))["param_axes"] is None
+    assert params_of(scale=jnp.ones(4), param_axes=[1])["param_axes"] == (-2,)
+    assert params_of(scale=jnp.ones((3, 1)), param_axes=(0, -2))["param_axes"] == (-3, -2)
+
+
+def test_scale_and_shift_param_axes_errors():
+    x = jnp.ones((3, 4, 5))
+    with pytest.raises(ValueError, match=r"param_axes \(3,\) are out of range for x of rank 3"):
+        register_scale_and_shift(x, x, jnp.ones(4), param_axes=(3,))
+    with pytest.raises(ValueError, match="distinct axes of x in increasing order"):
+        register_scale_and_shift(x, x, jnp.ones((5, 4)), param_axes=(2, 1))
+    with pytest.raises(ValueError, match=r"one dimension per axis.*x has sizes \(4,\) on those axes"):
+        register_scale_and_shift(x, x, jnp.ones(5), param_axes=(1,))
+    with pytest.raises(ValueError, match="one dimension per axis"):
+        register_scale_and_shift(x, x, jnp.ones(4), jnp.ones((4, 5)), param_axes=(1,))
+    # Without param_axes, a channel-first parameter is rejected with a pointer to param_axes.
+    with pytest.raises(ValueError, match="pass param_axes"):
+        register_scale_and_shift(x, x, jnp.ones(4))

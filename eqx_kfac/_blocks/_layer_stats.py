@@ -89,12 +89,36 @@ def check_scale_and_shift_spec(block: CurvatureBlock) -> None:
     """
     spec = block.spec
     count = bool(spec.get("has_scale")) + bool(spec.get("has_shift"))
+    problem = None
     if count == 0 or len(spec.param_shapes) != count or len(spec.input_shapes) != 1:
-        raise ValueError(
-            f"{type(block).__name__} cannot handle the {spec.describe}: expected one input and "
-            f"parameters matching has_scale={spec.get('has_scale')}, "
-            f"has_shift={spec.get('has_shift')}, got parameter shapes {spec.param_shapes}."
+        problem = (
+            f"expected one input and parameters matching has_scale={spec.get('has_scale')}, "
+            f"has_shift={spec.get('has_shift')}, got parameter shapes {spec.param_shapes}"
         )
+    else:
+        axes = spec.get("param_axes")
+        rank = len(spec.input_shapes[0])
+        if axes is not None and not (
+            all(isinstance(a, int) and -rank < a < 0 for a in axes)
+            and all(a < b for a, b in zip(axes, axes[1:]))
+            and all(len(s) == len(axes) for s in spec.param_shapes)
+        ):
+            problem = (
+                f"param_axes={axes} must be increasing negative axes of the input (shape "
+                f"{spec.input_shapes[0]}) other than its batch axis, one per parameter dimension "
+                f"(parameter shapes {spec.param_shapes})"
+            )
+    if problem is not None:
+        raise ValueError(f"{type(block).__name__} cannot handle the {spec.describe}: {problem}.")
+
+
+def _sum_to_param(spec: LayerSpec, array: Array, shape: tuple[int, ...]) -> Array:
+    """Sums `array: (V, B, *x_shape)` to `(V, B, *shape)` over the axes the parameter is broadcast along."""
+    axes = spec.get("param_axes")
+    if axes is not None:
+        # Moving the parameter's axes to the end makes it broadcast against the trailing dims.
+        array = jnp.moveaxis(array, [array.ndim + a for a in axes], list(range(-len(axes), 0)))
+    return sum_to_shape(array, 2, shape)
 
 
 def scale_and_shift_gradient_samples(
@@ -104,9 +128,10 @@ def scale_and_shift_gradient_samples(
 
     **Arguments:**
 
-    - `spec`: the layer's spec (`has_scale` / `has_shift` in its meta).
-    - `data`: inputs `x: (B, ...)` and output tangents `dy: (V, B, ...)`; the parameters
-      broadcast against the trailing dims of `x`.
+    - `spec`: the layer's spec (`has_scale` / `has_shift` in its meta, and `param_axes`: the axes
+      of `x`, counted from the end, that the parameters lie along; `None` or absent for the
+      trailing axes).
+    - `data`: inputs `x: (B, ...)` and output tangents `dy: (V, B, ...)`.
 
     **Returns:**
 
@@ -118,7 +143,7 @@ def scale_and_shift_gradient_samples(
     shapes = list(spec.param_shapes)
     samples = []
     if spec.get("has_scale"):
-        samples.append(sum_to_shape(x[None] * dy, 2, shapes.pop(0)))
+        samples.append(_sum_to_param(spec, x[None] * dy, shapes.pop(0)))
     if spec.get("has_shift"):
-        samples.append(sum_to_shape(dy, 2, shapes.pop(0)))
+        samples.append(_sum_to_param(spec, dy, shapes.pop(0)))
     return tuple(jnp.reshape(g, (v * b, *g.shape[2:])) for g in samples)

@@ -169,7 +169,9 @@ class ScaleAndShiftDiagonal(Diagonal):
     """Exact diagonal of the per-example curvature of `y = x * scale + shift` (final).
 
     Per-example gradients are `Σ x ⊙ dy` (scale) and `Σ dy` (shift), summed over the axes the
-    parameters are broadcast along; the statistic is `Σ_v Σ_b g_vb² / B`. Cost: `O(dim)`.
+    parameters are broadcast along (the parameters lie along the trailing axes of `x`, or along
+    the axes in the tag's `param_axes`, e.g. the channel axis of `eqx.nn.GroupNorm`); the
+    statistic is `Σ_v Σ_b g_vb² / B`. Cost: `O(dim)`.
 
     **Fields:**
 

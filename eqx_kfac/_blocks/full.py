@@ -172,6 +172,11 @@ class DenseFull(Full):
 class ScaleAndShiftFull(Full):
     """Exact (per-example) curvature block of `y = x * scale + shift` (final).
 
+    `C = Σ_v Σ_b vec(g_vb) vec(g_vb)ᵀ / B` with per-example gradients `Σ x ⊙ dy` (scale) and
+    `Σ dy` (shift), summed over the axes the parameters are broadcast along (the parameters lie
+    along the trailing axes of `x`, or along the axes in the tag's `param_axes`, e.g. the channel
+    axis of `eqx.nn.GroupNorm`).
+
     **Fields:**
 
     - `spec`: the layer's `LayerSpec` (static).
