@@ -1,14 +1,19 @@
 """eqx_kfac: K-FAC second-order optimization and curvature estimation for JAX and Equinox."""
 
 from ._blocks import (
+    AbstractEigenbasisKFAC as AbstractEigenbasisKFAC,
     Conv2DDiagonal as Conv2DDiagonal,
+    Conv2DEigenbasisKFAC as Conv2DEigenbasisKFAC,
     Conv2DFull as Conv2DFull,
     Conv2DTwoKroneckerFactored as Conv2DTwoKroneckerFactored,
     CurvatureBlock as CurvatureBlock,
     DenseDiagonal as DenseDiagonal,
+    DenseEigenbasisKFAC as DenseEigenbasisKFAC,
     DenseFull as DenseFull,
     DenseTwoKroneckerFactored as DenseTwoKroneckerFactored,
+    DenseTwoKroneckerFactoredReduce as DenseTwoKroneckerFactoredReduce,
     Diagonal as Diagonal,
+    EmbeddingKroneckerFactored as EmbeddingKroneckerFactored,
     Full as Full,
     KroneckerFactored as KroneckerFactored,
     NaiveDiagonal as NaiveDiagonal,
@@ -16,6 +21,11 @@ from ._blocks import (
     ScaleAndShiftDiagonal as ScaleAndShiftDiagonal,
     ScaleAndShiftFull as ScaleAndShiftFull,
     ScaledIdentity as ScaledIdentity,
+)
+from ._embedding_tag import (
+    embedding_pattern as embedding_pattern,
+    embedding_tag as embedding_tag,
+    register_embedding as register_embedding,
 )
 from ._estimators import (
     AbstractCurvatureEstimator as AbstractCurvatureEstimator,
@@ -33,6 +43,10 @@ from ._graph_matcher import (
     DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS,
     GraphPattern as GraphPattern,
     auto_register_tags as auto_register_tags,
+)
+from ._kfac_operator import (
+    kfac_linear_operator as kfac_linear_operator,
+    KFACLinearOperator as KFACLinearOperator,
 )
 from ._layer_data import EstimationData as EstimationData, LayerSpec as LayerSpec
 from ._losses import (

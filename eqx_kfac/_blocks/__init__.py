@@ -30,3 +30,11 @@ from .conv2d import (
     Conv2DFull as Conv2DFull,
     Conv2DTwoKroneckerFactored as Conv2DTwoKroneckerFactored,
 )
+from .eigenbasis import (
+    AbstractEigenbasisKFAC as AbstractEigenbasisKFAC,
+    Conv2DEigenbasisKFAC as Conv2DEigenbasisKFAC,
+    DenseEigenbasisKFAC as DenseEigenbasisKFAC,
+    EigenbasisState as EigenbasisState,
+)
+from .embedding import EmbeddingKroneckerFactored as EmbeddingKroneckerFactored, EmbeddingState as EmbeddingState
+from .reduce import DenseTwoKroneckerFactoredReduce as DenseTwoKroneckerFactoredReduce
