@@ -30,6 +30,10 @@ class LayerSpec(eqx.Module):
     - `meta`: the tag's keyword parameters as sorted `(key, value)` pairs, e.g.
       `(("has_bias", True), ("weight_layout", "out_in"))`.
     - `origin`: `"manual"` for a `register_*` call, otherwise the name of the graph pattern that matched.
+    - `stack_size`: `None` for an ordinary layer. For a layer applied inside `jax.lax.scan` over
+      stacked parameters (one slice per iteration), the number of iterations: `param_shapes`,
+      `input_shapes` and `output_shapes` are then per iteration, the parameter leaves carry a leading
+      stack axis, and `EstimationData` fields carry a leading stack axis (after `V` for tangents).
     """
 
     tag: str = eqx.field(static=True)
@@ -42,6 +46,7 @@ class LayerSpec(eqx.Module):
     output_shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
     meta: tuple[tuple[str, Any], ...] = eqx.field(static=True, default=())
     origin: str = eqx.field(static=True, default="manual")
+    stack_size: int | None = eqx.field(static=True, default=None)
 
     def get(self, key: str, default: Any = None) -> Any:
         """Returns the tag keyword parameter `key`, or `default` when the tag has none."""

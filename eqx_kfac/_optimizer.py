@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from . import _distributed
 from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
 from ._estimators.base import ESTIMATION_MODES, default_batch_size_extractor
 from ._quad_model import (
@@ -276,9 +277,14 @@ class Optimizer(eqx.Module):
         - `register_only_generic`, `patterns_to_skip`, `auto_register_kwargs`: passed to
           `auto_register_tags`.
         - `layer_tag_to_block_ctor`: block class per tag name, overriding the defaults.
-        - `multi_device`, `mesh`, `pmap_axis_name`, `distributed_precon_apply`,
-          `distributed_inverses`: multi-device execution (not implemented yet:
-          `multi_device=True` raises `NotImplementedError`).
+        - `multi_device`: run the step under `jax.shard_map` over `mesh` (default: a 1-D mesh of
+          all devices): parameters and state replicated, the batch (the global batch) split along
+          its first axis over the axis `pmap_axis_name`; loss, gradients, curvature statistics and
+          quadratic-model products are averaged over it. See "Multi-device and multi-host".
+        - `mesh`, `pmap_axis_name`: the mesh and the name of its data axis.
+        - `distributed_inverses`, `distributed_precon_apply`: with `multi_device`, each block's
+          cache update / preconditioner product is computed by one device and shared, instead
+          of by every device.
         - `batch_size_extractor`: maps the (processed) batch to its size; default: the leading
           dimension of its first array leaf.
         - `include_norms_in_stats`, `include_per_param_norms_in_stats`: add the norms of the
@@ -293,12 +299,8 @@ class Optimizer(eqx.Module):
         - `value_func_for_estimator`: the function whose registrations the curvature estimator
           traces (keyword only; default `value_func`), e.g. the loss without regularisers.
         """
-        if multi_device:
-            raise NotImplementedError(
-                "multi_device=True is not implemented yet: the optimizer runs on one device. "
-                "Use multi_device=False (the arguments mesh, pmap_axis_name, "
-                "distributed_precon_apply and distributed_inverses are stored for later)."
-            )
+        if mesh is not None:
+            _distributed.check_mesh(mesh, pmap_axis_name)
         for adaptive, schedule, name in (
             (use_adaptive_learning_rate, learning_rate_schedule, "learning_rate"),
             (use_adaptive_momentum, momentum_schedule, "momentum"),
@@ -408,6 +410,11 @@ class Optimizer(eqx.Module):
         self._cache = _EstimatorCache()
 
     # --- configuration helpers --------------------------------------------------------------
+
+    @property
+    def _axis(self) -> str | None:
+        """The data axis inside the step, `None` on one device."""
+        return self.pmap_axis_name if self.multi_device else None
 
     @property
     def _use_cached_inverses(self) -> bool:
@@ -657,11 +664,13 @@ class Optimizer(eqx.Module):
     ) -> OptimizerState:
         """One burn-in curvature update: summed statistics (ema_old = ema_new = 1)."""
         batch = self._process(batch)
+        key = _distributed.fold_in_device(key, self._axis)
         key, func_key = jax.random.split(key) if self.value_func_has_rng else (key, None)
         func_args = self._func_args(params, func_state, func_key, batch)
         block_diagonal, _ = self.estimators(func_args)
         estimator_state = block_diagonal.update_curvature_matrix_estimate(
-            state.estimator_state, 1.0, 1.0, self.batch_size_extractor(batch), key, func_args
+            state.estimator_state, 1.0, 1.0, self.batch_size_extractor(batch), key, func_args,
+            axis_name=self._axis,
         )
         return eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
 
@@ -687,6 +696,7 @@ class Optimizer(eqx.Module):
         else:
             factor = implicit.multiply_ggn_factor_transpose
         curvature = gram_matrix([factor(func_args, v) for v in vectors])
+        curvature = _distributed.pmean(curvature, self._axis)
         return quadratic_model(vectors, grads, curvature)
 
     def _approx_quad_model(
@@ -723,6 +733,7 @@ class Optimizer(eqx.Module):
             state = jax.lax.cond(step == 0, burnin, lambda s: s, state)
 
         processed = self._process(batch)
+        rng = _distributed.fold_in_device(rng, self._axis)
         rng, func_rng = jax.random.split(rng) if self.value_func_has_rng else (rng, None)
         func_args = self._func_args(params, func_state, func_rng, processed)
         block_diagonal, implicit = self.estimators(func_args)
@@ -730,27 +741,41 @@ class Optimizer(eqx.Module):
 
         def update_curvature(estimator_state):
             return block_diagonal.update_curvature_matrix_estimate(
-                estimator_state, self.curvature_ema, 1.0, batch_size, rng, func_args
+                estimator_state, self.curvature_ema, 1.0, batch_size, rng, func_args,
+                axis_name=self._axis,
             )
 
         estimator_state = _maybe(
             self.curvature_update_period, step, update_curvature, state.estimator_state
         )
         out, grads = self.value_and_grad_func(*func_args)
+        out = _distributed.pmean(out, self._axis)
         loss, new_func_state, aux = self._split_outputs(out)
-        grads = eqx.filter(grads, eqx.is_inexact_array)
+        grads = _distributed.pmean(eqx.filter(grads, eqx.is_inexact_array), self._axis)
 
         if self._use_cached_inverses:
             exact, approx = self._powers_to_cache
+            if self.multi_device and self.distributed_inverses:
+                def update_cache(s):
+                    return _distributed.distributed_update_cache(
+                        block_diagonal, s, identity_weight, exact, approx, self._axis
+                    )
+            else:
+                def update_cache(s):
+                    return block_diagonal.update_cache(s, identity_weight, exact, approx)
             estimator_state = _maybe(
-                self.inverse_update_period, step,
-                lambda s: block_diagonal.update_cache(s, identity_weight, exact, approx),
-                estimator_state,
+                self.inverse_update_period, step, update_cache, estimator_state
             )
-        precon_grad = block_diagonal.multiply_matpower(
+        precon_args = (
             estimator_state, grads, identity_weight, -1, self.use_exact_inverses,
             self._use_cached_inverses,
         )
+        if self.multi_device and self.distributed_precon_apply:
+            precon_grad = _distributed.distributed_multiply_matpower(
+                block_diagonal, *precon_args, self._axis
+            )
+        else:
+            precon_grad = block_diagonal.multiply_matpower(*precon_args)
         scaled_grad_norm_sq = None
         if self.norm_constraint is not None:
             scale, scaled_grad_norm_sq = norm_constraint_scale(
@@ -784,7 +809,9 @@ class Optimizer(eqx.Module):
                 _, change = solve_quadratic_model(
                     model, damping, self.l2_reg, (1.0,), self.include_damping_in_quad_change
                 )
-            new_loss = self._loss_of(self.value_func(new_params, *func_args[1:]))
+            new_loss = _distributed.pmean(
+                self._loss_of(self.value_func(new_params, *func_args[1:])), self._axis
+            )
             new_damping, rho = levenberg_marquardt_damping(
                 loss, new_loss, change, damping,
                 lower_threshold=self.damping_lower_threshold,
@@ -808,6 +835,7 @@ class Optimizer(eqx.Module):
             _, rho, new_loss, quad_change = keep_damping()
             new_damping = damping.astype(state.damping.dtype)
 
+        batch_size = _distributed.global_batch_size(batch_size, self._axis)
         new_state = OptimizerState(
             velocities=delta,
             estimator_state=estimator_state,
@@ -868,11 +896,24 @@ def _burnin_keys(rng: PRNGKeyArray, num: int) -> Array:
     return jax.random.split(jax.random.fold_in(rng, 1), num)
 
 
+def _maybe_sharded(optimizer: Optimizer, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, under `shard_map` with the batch (`args[3]`) split when `multi_device`."""
+    if not optimizer.multi_device:
+        return fn(*args)
+    mesh = optimizer.mesh
+    if mesh is None:
+        mesh = _distributed.data_mesh(optimizer.pmap_axis_name)
+    return _distributed.sharded_call(fn, mesh, optimizer.pmap_axis_name, args, batch_index=3)
+
+
 @eqx.filter_jit
 def _jitted_step(optimizer, params, state, rng, batch, func_state, hyper, burnin_in_graph):
-    return optimizer._step(params, state, rng, batch, func_state, hyper, burnin_in_graph)
+    return _maybe_sharded(
+        optimizer, lambda *a: optimizer._step(*a, burnin_in_graph),
+        params, state, rng, batch, func_state, hyper,
+    )
 
 
 @eqx.filter_jit
 def _jitted_burnin(optimizer, params, state, key, batch, func_state):
-    return optimizer._burnin_update(params, state, key, batch, func_state)
+    return _maybe_sharded(optimizer, optimizer._burnin_update, params, state, key, batch, func_state)

@@ -45,11 +45,6 @@ def test_bad_constructor_arguments(kwargs, match):
         Optimizer(VG, l2_reg=0.0, **kwargs)
 
 
-def test_multi_device_is_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="multi_device=True is not implemented"):
-        Optimizer(VG, l2_reg=0.0, multi_device=True)
-
-
 def test_a_value_and_grad_without_wrapped_needs_value_func():
     def opaque(params, batch):
         return VG(params, batch)

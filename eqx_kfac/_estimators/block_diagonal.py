@@ -8,7 +8,13 @@ import jax
 from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray
 
-from .._blocks import CurvatureBlock, DenseTwoKroneckerFactored, NaiveDiagonal, ScaleAndShiftDiagonal
+from .._blocks import (
+    CurvatureBlock,
+    DenseTwoKroneckerFactored,
+    EmbeddingKroneckerFactored,
+    NaiveDiagonal,
+    ScaleAndShiftDiagonal,
+)
 from .._blocks.conv2d import Conv2DTwoKroneckerFactored
 from .._graph_matcher import auto_register_tags as _auto_register_tags
 from .._layer_data import EstimationData, LayerSpec
@@ -30,6 +36,7 @@ DEFAULT_TAG_TO_BLOCK_CTOR: Mapping[str, BlockCtor] = {
     "conv2d": Conv2DTwoKroneckerFactored,
     "scale_and_shift": ScaleAndShiftDiagonal,
     "generic": NaiveDiagonal,
+    "embedding": EmbeddingKroneckerFactored,
 }
 
 
@@ -210,7 +217,10 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
             func_args
         )
         check_estimation_mode(mode, losses)
-        vectors = loss_space_vectors(mode, losses, rng, batch_size)
+        # The empirical Fisher's extra 1/B is over the global batch: the per-device statistics
+        # are averaged over devices afterwards, which supplies the per-device 1/B only.
+        global_batch = batch_size if axis_name is None else batch_size * jax.lax.axis_size(axis_name)
+        vectors = loss_space_vectors(mode, losses, rng, global_batch)
         tangents = jax.vmap(vjp)(vectors)
         new_states = []
         for block, block_state, data, (outputs_tangent, params_tangent) in zip(

@@ -1,0 +1,295 @@
+"""Multi-device execution: the `shard_map` step equals the single-device step on the global batch.
+
+Run with the 4 host CPU devices of conftest. Also run as a script (`python test_distributed.py
+worker ...`) by the multi-host test: two processes with two CPU devices each, a localhost
+coordinator and gloo collectives.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+N_IN, N_HIDDEN, N_OUT, BATCH, STEPS = 3, 5, 4, 16, 4
+FIXED = dict(learning_rate=0.1, momentum=0.5, damping=1e-2)
+ADAPTIVE = dict(
+    use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
+    initial_damping=1.0, damping_adaptation_interval=2,
+)
+
+
+def _mlp(key):
+    k1, k2 = jax.random.split(key)
+    return (eqx.nn.Linear(N_IN, N_HIDDEN, key=k1), eqx.nn.Linear(N_HIDDEN, N_OUT, key=k2))
+
+
+def _loss(model, batch):
+    from eqx_kfac._losses import register_softmax_cross_entropy_loss
+
+    x, y = batch
+    logits = jax.vmap(lambda v: model[1](jnp.tanh(model[0](v))))(x)
+    register_softmax_cross_entropy_loss(logits, y)
+    picked = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+
+def _problem():
+    model = _mlp(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (BATCH, N_IN))
+    y = jax.random.randint(jax.random.key(2), (BATCH,), 0, N_OUT)
+    return model, (x, y)
+
+
+def _flat(tree):
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))
+    return np.concatenate([np.ravel(np.asarray(a)) for a in leaves])
+
+
+def _optimizer(mode, setting, **kwargs):
+    from eqx_kfac._optimizer import Optimizer
+
+    ctor = ADAPTIVE if setting == "adaptive" else {}
+    return Optimizer(
+        eqx.filter_value_and_grad(_loss), l2_reg=1e-3, estimation_mode=mode, num_burnin_steps=1,
+        inverse_update_period=2, **ctor, **kwargs,
+    )
+
+
+def _run(opt, setting, model, batch):
+    """`STEPS` steps; returns the final parameters and the last stats."""
+    step_kwargs = FIXED if setting == "fixed" else {}
+    state = opt.init(model, jax.random.key(3), batch)
+    stats = None
+    for i in range(STEPS):
+        model, state, stats = opt.step(
+            model, state, jax.random.key(10 + i), batch=batch, **step_kwargs
+        )
+    return model, stats
+
+
+# --- the worker of the multi-host test ------------------------------------------------------
+
+
+def _worker(process_id: int, port: int, out_path: str) -> None:
+    """One of two processes: 2 local CPU devices each, 4 global, one global mesh."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id
+    )
+    from eqx_kfac._distributed import data_mesh
+
+    mesh = data_mesh("kfac_axis")
+    model, (x, y) = _problem()
+    half = BATCH // 2
+    sharding = NamedSharding(mesh, PartitionSpec("kfac_axis"))
+    local = slice(process_id * half, (process_id + 1) * half)
+    batch = tuple(
+        jax.make_array_from_process_local_data(sharding, np.asarray(a)[local]) for a in (x, y)
+    )
+    model = jax.device_put(model, NamedSharding(mesh, PartitionSpec()))
+    opt = _optimizer("ggn_exact", "adaptive", multi_device=True, mesh=mesh)
+    model, stats = _run(opt, "adaptive", model, batch)
+    np.savez(out_path, params=_flat(model), loss=np.asarray(stats["loss"]),
+             devices=jax.device_count())
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    sys.exit(0)
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+import pytest  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec  # noqa: E402
+
+from eqx_kfac._distributed import (  # noqa: E402
+    assign_blocks,
+    block_cost,
+    data_mesh,
+    fold_in_device,
+)
+from eqx_kfac._estimators import BlockDiagonalCurvature  # noqa: E402
+
+
+def _assert_same_update(model, single, multi):
+    start = _flat(model)
+    update = _flat(single) - start
+    error = np.linalg.norm(_flat(multi) - _flat(single))
+    assert error <= 1e-8 * np.linalg.norm(update), (error, np.linalg.norm(update))
+
+
+@pytest.mark.parametrize(
+    "mode, setting, distributed, mesh_shape",
+    [
+        ("ggn_exact", "fixed", True, None),
+        ("ggn_exact", "adaptive", False, None),
+        ("fisher_exact", "fixed", False, None),
+        ("fisher_exact", "adaptive", True, None),
+        ("fisher_empirical", "fixed", True, (2, 2)),
+        ("fisher_empirical", "adaptive", False, None),
+    ],
+)
+def test_multi_device_steps_equal_single_device(mode, setting, distributed, mesh_shape):
+    model, batch = _problem()
+    mesh = None
+    if mesh_shape is not None:
+        # A 2-D mesh: the batch is split over the data axis and replicated over the other.
+        mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("kfac_axis", "model"))
+    single, single_stats = _run(_optimizer(mode, setting), setting, model, batch)
+    opt = _optimizer(
+        mode, setting, multi_device=True, mesh=mesh, distributed_inverses=distributed,
+        distributed_precon_apply=distributed,
+    )
+    multi, multi_stats = _run(opt, setting, model, batch)
+    _assert_same_update(model, single, multi)
+    for key in ("loss", "learning_rate", "momentum", "damping", "data_seen", "batch_size"):
+        np.testing.assert_allclose(multi_stats[key], single_stats[key], rtol=1e-9, err_msg=key)
+    assert int(multi_stats["batch_size"]) == BATCH
+
+
+def test_uneven_batch_is_rejected():
+    model, (x, y) = _problem()
+    batch = (x[:14], y[:14])
+    opt = _optimizer("ggn_exact", "fixed", multi_device=True)
+    state = opt.init(model, jax.random.key(0), batch)
+    with pytest.raises(ValueError, match=r"batch size 14.*multiple of 4"):
+        opt.step(model, state, jax.random.key(1), batch=batch, **FIXED)
+
+
+def test_mesh_without_the_data_axis_is_rejected():
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    with pytest.raises(ValueError, match="pmap_axis_name='kfac_axis'"):
+        _optimizer("ggn_exact", "fixed", multi_device=True, mesh=mesh)
+
+
+def _sharded(fn, in_specs):
+    mesh = data_mesh("d")
+    return jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), check_vma=False)
+    )
+
+
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_empirical"])
+def test_estimator_inside_a_users_shard_map(mode):
+    """Built outside on per-device shapes, updated inside with `axis_name`: the global statistics."""
+    model, batch = _problem()
+    params, static = eqx.partition(model, eqx.is_array)
+    per_device = jax.tree.map(lambda a: a[: BATCH // 4], batch)
+    estimator = BlockDiagonalCurvature(_loss, (model, per_device), default_estimation_mode=mode)
+    state = estimator.init(jax.random.key(0))
+
+    def body(p, s, b):
+        s = estimator.update_curvature_matrix_estimate(
+            s, 0.0, 1.0, BATCH // 4, jax.random.key(1), (eqx.combine(p, static), b),
+            axis_name="d",
+        )
+        return estimator.to_dense_matrix(s)
+
+    multi = _sharded(body, (PartitionSpec(), PartitionSpec(), PartitionSpec("d")))(
+        params, state, batch
+    )
+    reference = BlockDiagonalCurvature(_loss, (model, batch), default_estimation_mode=mode)
+    exact = reference.to_dense_matrix(reference.update_curvature_matrix_estimate(
+        reference.init(jax.random.key(0)), 0.0, 1.0, BATCH, jax.random.key(1), (model, batch)
+    ))
+    np.testing.assert_allclose(multi, exact, rtol=1e-10, atol=1e-12 * np.abs(exact).max())
+
+
+def test_fisher_gradients_across_devices_is_unbiased():
+    """The average over keys of the 4-device sampled estimate tends to the exact Fisher estimate."""
+    model, batch = _problem()
+    params, static = eqx.partition(model, eqx.is_array)
+    per_device = jax.tree.map(lambda a: a[: BATCH // 4], batch)
+    estimator = BlockDiagonalCurvature(_loss, (model, per_device))
+    state = estimator.init(jax.random.key(0))
+    num_keys = 400
+    keys = jax.random.split(jax.random.key(5), num_keys)
+
+    def body(p, s, b, keys):
+        def one(key):
+            new = estimator.update_curvature_matrix_estimate(
+                s, 0.0, 1.0, BATCH // 4, fold_in_device(key, "d"), (eqx.combine(p, static), b),
+                axis_name="d",
+            )
+            return estimator.to_dense_matrix(new)
+
+        return jax.lax.map(one, keys)
+
+    samples = np.asarray(_sharded(
+        body, (PartitionSpec(), PartitionSpec(), PartitionSpec("d"), PartitionSpec())
+    )(params, state, batch, keys))
+    exact = estimator.to_dense_matrix(estimator.update_curvature_matrix_estimate(
+        state, 0.0, 1.0, BATCH, jax.random.key(1), (model, batch), "fisher_exact"
+    ))
+    mean = samples.mean(axis=0)
+    standard_error = samples.std(axis=0, ddof=1) / np.sqrt(num_keys)
+    # Entries with (numerically) zero variance are deterministic and must match exactly.
+    tolerance = 5.0 * standard_error + 1e-10 * np.abs(exact).max()
+    assert np.all(np.abs(mean - exact) <= tolerance), np.max(np.abs(mean - exact) - tolerance)
+    # Not a vacuous check: the estimate does vary with the key.
+    assert standard_error.max() > 1e-6
+
+
+def test_fold_in_device_gives_every_device_its_own_key():
+    def body(key):
+        return jax.random.key_data(fold_in_device(key, "d"))[None]
+
+    mesh = data_mesh("d")
+    out = jax.shard_map(
+        body, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec("d"), check_vma=False
+    )(jax.random.key(0))
+    assert len({tuple(np.asarray(k).ravel()) for k in out}) == len(jax.devices())
+
+
+def test_block_assignment_balances_cost():
+    costs = [block_cost(jnp.zeros((n, n))) for n in (8, 7, 6, 5, 4, 3, 2, 2)]
+    owners = assign_blocks(costs, 4)
+    loads = [sum(c for c, o in zip(costs, owners) if o == d) for d in range(4)]
+    # Longest-processing-time-first: no device exceeds the mean load plus one block.
+    assert max(loads) <= sum(costs) / 4 + max(costs)
+    # The largest block is alone on its device (its cost exceeds all the others together / 3).
+    assert sum(o == owners[0] for o in owners) == 1
+    assert block_cost(jnp.zeros((3, 5))) == 15.0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_agree_with_one(tmp_path):
+    """Two processes (2 CPU devices each, localhost coordinator) equal one device on the batch."""
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    env.pop("PYTEST_ADDOPTS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "worker", str(i), str(port), str(tmp_path / f"p{i}.npz")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    model, batch = _problem()
+    single, single_stats = _run(_optimizer("ggn_exact", "adaptive"), "adaptive", model, batch)
+    for i in range(2):
+        result = np.load(tmp_path / f"p{i}.npz")
+        assert int(result["devices"]) == 4
+        _assert_same_update(model, single, result["params"])
+        np.testing.assert_allclose(result["loss"], single_stats["loss"], rtol=1e-9)
