@@ -17,34 +17,47 @@ the output, with
 - consistent variable bindings: a pattern variable stands for one target variable throughout;
   commutative operations (`add`, `mul`, `max`, `min`) match in either operand order;
 - parameters bound only to the function's parameter leaves (inside `jax.lax.scan`, to body inputs
-  sliced from stacked parameter leaves), each used nowhere else;
-- intermediate results used only inside the match (otherwise the tag would miss part of what the
-  parameters influence);
+  sliced from stacked parameter leaves), each used nowhere else that matters (below);
+- intermediate results used only inside the match, as far as the losses are concerned (otherwise
+  the tag would miss part of what the parameters influence);
 - the shapes accepted by the tag's own registration function.
 
+Only the part of the function that the registered losses' inputs depend on is matched and counts
+as a use: a regulariser such as `l2 / 2 * sum(theta ** 2)` added to the loss value, or a metric
+returned beside it, does not affect the curvature and is ignored. (A function that registers no
+loss is treated as if its outputs were the losses' inputs.)
+
 Chains of `broadcast_in_dim` (what nested `vmap`s emit) are merged into one before matching, so one
-pattern covers any number of vmapped batch axes. Matching descends into `jit`, `jax.checkpoint` /
-`eqx.filter_checkpoint`, `custom_jvp` / `custom_vjp` functions and `scan` bodies.
+pattern covers any number of vmapped batch axes. `pvary`, which `jax.shard_map` with varying-axis
+checks puts on replicated parameters, is looked through; the tag records the parameter itself (the
+value before `pvary`). Matching descends into `jit`, `jax.checkpoint` / `eqx.filter_checkpoint`,
+`custom_jvp` / `custom_vjp` functions and `scan` bodies.
 
 Parameters that no tag claims get a `generic` tag each. A parameter used in more than one place
-(weight tying, a scan constant reused at every step, a regulariser computed inside the function) is
-never matched to a layer: it gets a generic tag with origin `"shared"` and a warning naming it, since
-a layer tag would only see one of its uses.
+that the losses depend on (weight tying, a scan constant reused at every step) is never matched to
+a layer: it gets a generic tag with origin `"shared"` and a warning naming it, since a layer tag
+would only see one of its uses.
+
+The default patterns and the `GraphPattern` class live in `_graph_patterns`.
 """
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from ._jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr
+from ._graph_patterns import (
+    DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS,
+    GraphPattern as GraphPattern,
+    _ExampleArgs,
+)
+from ._jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, iter_eqns, subjaxprs
 from ._tags import (
     LayerTag,
     conv2d_tag,
@@ -58,106 +71,62 @@ from ._tags import (
     scale_and_shift_tag,
 )
 
-_ExampleArgs = tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]
-
-
-def _as_struct(x: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), x)
-
-
-class GraphPattern(eqx.Module):
-    """A computation to find in a traced function and the layer tag to bind where it is found.
-
-    This is the extension point for automatic registration of new layer kinds: write the layer's
-    computation as `compute_func`, say which tag it gets and how to read the tag's keyword parameters
-    off the matched equations, and pass the pattern (with the defaults) as `graph_patterns`.
-
-    **Arguments:**
-
-    - `name`: the pattern's name; it becomes the tag's `origin` (shown in the registration report)
-      and is what `patterns_to_skip` refers to.
-    - `tag`: the [`LayerTag`][eqx_kfac.LayerTag] to bind.
-    - `compute_func`: `compute_func(inputs, params) -> outputs`, the layer written with JAX
-      operations, batch dimension first, exactly as it appears in the functions to match (e.g.
-      under `jax.vmap` for an Equinox layer). `inputs` and `outputs` are an array or a tuple of
-      `tag.num_inputs` / `tag.num_outputs` arrays; `params` is a tuple of arrays, in tag order.
-    - `example_args`: one `(inputs, params)` pair, or a sequence of them, of arrays or
-      `jax.ShapeDtypeStruct`s: the pattern is traced once per pair, so give one per form the
-      computation takes (e.g. one per input rank). Only shapes and dtypes are kept.
-    - `parameters_extractor_func`: `f(eqns) -> dict`, from the matched target equations (in jaxpr
-      order) to the tag's keyword parameters (without `origin`, which is the pattern's name).
-      Return `None` to reject the match.
-    - `precedence`: patterns are tried in increasing order of precedence (ties keep their order);
-      give a larger pattern (e.g. with bias) a lower number than the one it contains (without).
-    """
-
-    name: str = eqx.field(static=True)
-    tag: LayerTag = eqx.field(static=True)
-    compute_func: Callable[..., Any] = eqx.field(static=True)
-    example_args: tuple[_ExampleArgs, ...] = eqx.field(static=True)
-    parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None] = eqx.field(
-        static=True
-    )
-    precedence: int = eqx.field(static=True, default=0)
-
-    def __init__(
-        self,
-        name: str,
-        tag: LayerTag,
-        compute_func: Callable[..., Any],
-        example_args: Any,
-        parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None],
-        precedence: int = 0,
-    ):
-        if isinstance(example_args, tuple) and len(example_args) == 2 and all(
-            hasattr(p, "shape") for p in example_args[1]
-        ):
-            example_args = [example_args]
-        sets = []
-        for inputs, params in example_args:
-            sets.append((_as_struct(inputs), tuple(_as_struct(p) for p in params)))
-        if not sets:
-            raise ValueError(f"GraphPattern {name!r}: give at least one (inputs, params) example.")
-        self.name = name
-        self.tag = tag
-        self.compute_func = compute_func
-        self.example_args = tuple(sets)
-        self.parameters_extractor_func = parameters_extractor_func
-        self.precedence = precedence
-
 
 # ----------------------------------------------------------------------------------------------
 # Graphs: a jaxpr's equations as nodes, with broadcast chains merged.
 
 
+# Live input positions of each equation of one jaxpr (by index) and live output positions.
+_Live = tuple[dict[int, frozenset[int]], frozenset[int]]
+
+
 class _Node:
-    """One equation, or a chain of `broadcast_in_dim`s merged into one broadcast."""
+    """One equation, or a chain of `broadcast_in_dim`s merged into one broadcast.
 
-    __slots__ = ("primitive", "params", "invars", "outvars", "eqns")
+    `live_in` holds the positions of `invars` whose values reach a registered loss through it.
+    """
 
-    def __init__(self, primitive, params, invars, outvars, eqns):
+    __slots__ = ("primitive", "params", "invars", "outvars", "eqns", "live_in")
+
+    def __init__(self, primitive, params, invars, outvars, eqns, live_in):
         self.primitive = primitive
         self.params = params
         self.invars = invars
         self.outvars = outvars
         self.eqns = eqns
+        self.live_in = live_in
 
 
 class _Graph:
-    """Nodes of one jaxpr with producer and consumer maps."""
+    """Nodes of one jaxpr with producer and consumer maps.
 
-    def __init__(self, jaxpr: Jaxpr):
+    `pvary` equations (which `shard_map` with varying-axis checks puts on replicated values before
+    they meet per-device ones) change no value, so they are no nodes: the nodes read through them
+    (`resolve`). `live` (from `_liveness`) says which uses matter; `None` means all of them.
+    """
+
+    def __init__(self, jaxpr: Jaxpr, live: _Live | None = None):
+        self.pvary: dict[Var, JaxprEqn] = {}
+        eqns = []
+        for i, eqn in enumerate(jaxpr.eqns):
+            if eqn.primitive.name == "pvary":
+                self.pvary[eqn.outvars[0]] = eqn
+            else:
+                eqns.append((i, eqn))
+        resolve = self.resolve
         raw_uses: dict[Var, int] = {}
-        for v in [*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars]:
+        for v in [*(resolve(v) for _, e in eqns for v in e.invars), *map(resolve, jaxpr.outvars)]:
             if isinstance(v, Var):
                 raw_uses[v] = raw_uses.get(v, 0) + 1
         self.nodes: list[_Node] = []
         self.producer: dict[Var, tuple[_Node, int]] = {}
-        for eqn in jaxpr.eqns:
-            node = _Node(eqn.primitive, dict(eqn.params), list(eqn.invars), list(eqn.outvars), (eqn,))
+        for i, eqn in eqns:
+            live_in = frozenset(range(len(eqn.invars))) if live is None else live[0][i]
+            invars = [resolve(v) for v in eqn.invars]
+            node = _Node(eqn.primitive, dict(eqn.params), invars, list(eqn.outvars), (eqn,), live_in)
             if eqn.primitive.name == "broadcast_in_dim" and len(eqn.invars) == 1:
                 node.params["broadcast_dimensions"] = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
-                (src,) = eqn.invars
+                (src,) = invars
                 prev = self.producer.get(src) if isinstance(src, Var) else None
                 if prev is not None and prev[0].primitive is eqn.primitive and raw_uses[src] == 1:
                     inner = prev[0]
@@ -167,16 +136,38 @@ class _Graph:
                     )
                     node.invars = inner.invars
                     node.eqns = (*inner.eqns, eqn)
+                    node.live_in = inner.live_in
                     self.nodes.remove(inner)
             self.nodes.append(node)
-            for i, v in enumerate(node.outvars):
-                self.producer[v] = (node, i)
+            for k, v in enumerate(node.outvars):
+                self.producer[v] = (node, k)
         self.consumers: dict[Var, list[_Node]] = {}
         for node in self.nodes:
             for v in node.invars:
                 if isinstance(v, Var):
                     self.consumers.setdefault(v, []).append(node)
-        self.outvars = {v for v in jaxpr.outvars if isinstance(v, Var)}
+        self.live_outvars = {
+            resolve(v)
+            for k, v in enumerate(jaxpr.outvars)
+            if isinstance(v, Var) and (live is None or k in live[1])
+        }
+
+    def resolve(self, v: Any) -> Any:
+        """The variable `v` is a `pvary` of (through any number of them), or `v` itself."""
+        while isinstance(v, Var) and v in self.pvary:
+            v = self.pvary[v].invars[0]
+        return v
+
+    def capture_site(self, eqns: Sequence[JaxprEqn], v: Var) -> tuple[JaxprEqn, int]:
+        """An equation among `eqns` (or a `pvary` feeding them) reading `v` itself, and the position.
+
+        A tag records a parameter as the value before its `pvary`s: that is the parameter leaf the
+        tracer attributes the tag to, and the tag takes no gradient through its parameters.
+        """
+        eqn, position = next((e, k) for e in eqns for k, u in enumerate(e.invars) if self.resolve(u) is v)
+        while eqn.invars[position] is not v:
+            eqn, position = self.pvary[eqn.invars[position]], 0
+        return eqn, position
 
 
 class _PatternGraph:
@@ -295,10 +286,11 @@ class _Matcher:
             for v in node.outvars:
                 if v in outputs:
                     continue
-                if v in self.target.outvars:
+                if v in self.target.live_outvars:
                     return False
-                if any(id(c) not in matched for c in self.target.consumers.get(v, ())):
-                    return False
+                for c in self.target.consumers.get(v, ()):
+                    if id(c) not in matched and any(c.invars[k] is v for k in c.live_in):
+                        return False
         return True
 
     def _var(self, pv: Any, tv: Any, b: _Binding) -> Iterator[_Binding]:
@@ -410,52 +402,109 @@ _ONE_TO_ONE = {
 _Ref = tuple[int, int]
 
 
-def _child(eqn: JaxprEqn, refs: dict[Var, _Ref]) -> tuple[Jaxpr, dict[Var, _Ref], list[int]] | None:
-    """The sub-jaxpr the evaluator descends into, its parameter references, and reused leaves."""
+def _inner_jaxpr(eqn: JaxprEqn) -> Jaxpr | None:
+    """The sub-jaxpr the evaluator descends into (its invars are the equation's, in order)."""
     name = eqn.primitive.name
     if name in _ONE_TO_ONE:
         sub = eqn.params[_ONE_TO_ONE[name]]
-        inner = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
-        mapping = [(i, v) for i, v in enumerate(eqn.invars) if isinstance(v, Var) and v in refs]
-        return inner, {inner.invars[i]: refs[v] for i, v in mapping}, []
+        return sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
     if name == "scan":
-        inner = eqn.params["jaxpr"].jaxpr
-        n_fixed = eqn.params["num_consts"] + eqn.params["num_carry"]
-        inner_refs, reused = {}, []
-        for i, v in enumerate(eqn.invars):
-            if not isinstance(v, Var) or v not in refs:
-                continue
-            leaf, depth = refs[v]
-            if i < n_fixed:
-                # A constant is reused at every step and a carry changes: neither is one layer's parameter.
-                reused.append(leaf)
-            else:
-                inner_refs[inner.invars[i]] = (leaf, depth + 1)
-        return inner, inner_refs, reused
+        return eqn.params["jaxpr"].jaxpr
     return None
 
 
-def _count_uses(jaxpr: Jaxpr, refs: dict[Var, _Ref], uses: dict[int, int], manual: set[int]) -> None:
-    """Counts each parameter leaf's uses (tag equations excluded) and collects manually tagged leaves."""
-    for eqn in jaxpr.eqns:
+def _child(eqn: JaxprEqn, refs: dict[Var, _Ref]) -> tuple[Jaxpr, dict[Var, _Ref], list[tuple[int, int]]] | None:
+    """The sub-jaxpr the evaluator descends into, its parameter references, and the reused leaves
+    (as `(position among the equation's invars, leaf)`)."""
+    inner = _inner_jaxpr(eqn)
+    if inner is None:
+        return None
+    n_fixed = eqn.params["num_consts"] + eqn.params["num_carry"] if eqn.primitive.name == "scan" else 0
+    inner_refs, reused = {}, []
+    for i, v in enumerate(eqn.invars):
+        if not isinstance(v, Var) or v not in refs:
+            continue
+        leaf, depth = refs[v]
+        if i < n_fixed:
+            # A constant is reused at every step and a carry changes: neither is one layer's parameter.
+            reused.append((i, leaf))
+        else:
+            inner_refs[inner.invars[i]] = (leaf, depth + int(eqn.primitive.name == "scan"))
+    return inner, inner_refs, reused
+
+
+def _has_loss_tag(jaxprs: Iterable[Jaxpr]) -> bool:
+    return any(is_loss_tag_eqn(e) for jaxpr in jaxprs for e in iter_eqns(jaxpr))
+
+
+def _liveness(
+    jaxpr: Jaxpr, live_outs: frozenset[int], prefix: tuple[int, ...], table: dict[tuple[int, ...], _Live]
+) -> frozenset[int]:
+    """Finds which values the registered losses' inputs depend on.
+
+    Walks `jaxpr` backwards from its outputs at `live_outs` and from the loss tags' inputs, records
+    in `table[prefix]` (and, for the sub-jaxprs the evaluator descends into, under their paths) the
+    live input positions of every equation, and returns the live positions of `jaxpr.invars`.
+    """
+    live = {v for k, v in enumerate(jaxpr.outvars) if k in live_outs and isinstance(v, Var)}
+    per_eqn: dict[int, frozenset[int]] = {}
+    for i in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[i]
+        outs = frozenset(k for k, v in enumerate(eqn.outvars) if v in live)
+        inner = _inner_jaxpr(eqn)
+        if inner is not None:
+            if outs and eqn.primitive.name == "scan":
+                # The carries feed the next step, so a live scan keeps its whole body live.
+                outs = frozenset(range(len(inner.outvars)))
+            positions = _liveness(inner, outs, (*prefix, i), table)
+        elif outs or is_loss_tag_eqn(eqn) or _has_loss_tag(subjaxprs(eqn)):
+            positions = frozenset(range(len(eqn.invars)))
+        else:
+            positions = frozenset()
+        per_eqn[i] = positions
+        live.update(v for k in positions if isinstance(v := eqn.invars[k], Var))
+    table[prefix] = (per_eqn, live_outs)
+    return frozenset(k for k, v in enumerate(jaxpr.invars) if v in live)
+
+
+def _count_uses(
+    jaxpr: Jaxpr,
+    refs: dict[Var, _Ref],
+    uses: dict[int, int],
+    manual: set[int],
+    live: dict[tuple[int, ...], _Live],
+    prefix: tuple[int, ...] = (),
+) -> None:
+    """Counts each parameter leaf's live uses (tag equations excluded; a `pvary` passes the
+    parameter on) and collects manually tagged leaves."""
+    per_eqn, live_outs = live[prefix]
+    refs = dict(refs)
+    for i, eqn in enumerate(jaxpr.eqns):
         tag = layer_tag_of(eqn)
         if tag is not None:
             manual.update(refs[v][0] for v in tag.split(eqn.invars)[2] if isinstance(v, Var) and v in refs)
             continue
         if is_loss_tag_eqn(eqn):
             continue
+        if eqn.primitive.name == "pvary":
+            (v,) = eqn.invars
+            if isinstance(v, Var) and v in refs:
+                refs[eqn.outvars[0]] = refs[v]
+            continue
         child = _child(eqn, refs)
         if child is None:
-            for v in eqn.invars:
+            for k in per_eqn[i]:
+                v = eqn.invars[k]
                 if isinstance(v, Var) and v in refs:
                     uses[refs[v][0]] = uses.get(refs[v][0], 0) + 1
             continue
         inner, inner_refs, reused = child
-        for leaf in reused:
-            uses[leaf] = uses.get(leaf, 0) + 2
-        _count_uses(inner, inner_refs, uses, manual)
-    for v in jaxpr.outvars:
-        if isinstance(v, Var) and v in refs:
+        for k, leaf in reused:
+            if k in per_eqn[i]:
+                uses[leaf] = uses.get(leaf, 0) + 2
+        _count_uses(inner, inner_refs, uses, manual, live, (*prefix, i))
+    for k, v in enumerate(jaxpr.outvars):
+        if k in live_outs and isinstance(v, Var) and v in refs:
             uses[refs[v][0]] = uses.get(refs[v][0], 0) + 1
 
 
@@ -485,8 +534,9 @@ def _find_matches(
     prefix: tuple[int, ...],
     patterns: Sequence[GraphPattern],
     plan: _Plan,
+    live: dict[tuple[int, ...], _Live],
 ) -> None:
-    graph = _Graph(jaxpr)
+    graph = _Graph(jaxpr, live[prefix])
     eqn_index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
     claimed: set[int] = set()
     allowed = {v: r for v, r in refs.items() if r[1] <= 1}
@@ -494,7 +544,7 @@ def _find_matches(
         for pg in _pattern_graphs(pattern):
             out_primitive = pg.graph.producer[pg.outvars[0]][0].primitive
             for node in graph.nodes:
-                if node.primitive is not out_primitive or id(node) in claimed:
+                if node.primitive is not out_primitive or id(node) in claimed or not node.live_in:
                     continue
                 b = _Matcher(pg, graph, allowed, claimed).match_at(node)
                 if b is None:
@@ -510,9 +560,9 @@ def _find_matches(
                 match = _Match(pattern, dict(meta), len(xs), len(ps), [out_eqn.outvars.index(y) for y in ys])
                 for slot, tvs in (("inputs", xs), ("params", ps)):
                     for k, tv in enumerate(tvs):
-                        eqn = next(e for e in eqns if tv in e.invars)
+                        eqn, position = graph.capture_site(eqns, tv)
                         path = (*prefix, eqn_index[id(eqn)])
-                        plan.captures.setdefault(path, []).append((match, slot, k, eqn.invars.index(tv)))
+                        plan.captures.setdefault(path, []).append((match, slot, k, position))
                 plan.outputs[(*prefix, eqn_index[id(out_eqn)])] = match
                 claimed.update(id(n) for n in b.nodes.values())
                 for tv in ps:
@@ -521,7 +571,7 @@ def _find_matches(
         child = _child(eqn, refs)
         if child is not None:
             inner, inner_refs, _ = child
-            _find_matches(inner, inner_refs, (*prefix, i), patterns, plan)
+            _find_matches(inner, inner_refs, (*prefix, i), patterns, plan, live)
 
 
 class _TagBinder(JaxprHook):
@@ -551,227 +601,6 @@ class _TagBinder(JaxprHook):
             outs[i] = y
         return outs
 
-
-# ----------------------------------------------------------------------------------------------
-# Default patterns
-
-
-def _vmapped(f: Callable[[Any], Any], x: Any, n_batch: int | None = None) -> Any:
-    """Applies a per-example function to `x` with one `vmap` per leading batch axis.
-
-    `n_batch` is the number of batch axes; by default all but the last axis.
-    """
-    for _ in range(x.ndim - 1 if n_batch is None else n_batch):
-        f = jax.vmap(f)
-    return f(x)
-
-
-def _linear_per_example(x, params):
-    w, *b = params
-    return _vmapped(lambda v: w @ v + b[0] if b else w @ v, x)
-
-
-def _dense_out_in(x, params):
-    w, *b = params
-    return x @ w.T + b[0] if b else x @ w.T
-
-
-def _dense_in_out(x, params):
-    w, *b = params
-    return x @ w + b[0] if b else x @ w
-
-
-def _conv_per_example(x, params):
-    w, *b = params
-
-    def one(v):
-        y = lax.conv_general_dilated(v[None], w, (1, 1), ((0, 0), (0, 0)))[0]
-        return y + b[0] if b else y
-
-    return jax.vmap(one)(x)
-
-
-def _conv_nhwc(x, params):
-    w, *b = params
-    y = lax.conv_general_dilated(x, w, (1, 1), ((0, 0), (0, 0)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    return y + b[0] if b else y
-
-
-def _conv_nchw(x, params):
-    (w,) = params
-    return lax.conv_general_dilated(x, w, (1, 1), ((0, 0), (0, 0)))
-
-
-def _scale_and_shift(has_scale: bool, has_shift: bool) -> Callable[[Any, Any], Any]:
-    def compute(x, params):
-        params = list(params)
-        if has_scale:
-            x = x * params.pop(0)
-        return x + params.pop(0) if has_shift else x
-
-    return compute
-
-
-def _left_broadcast(p: Any, x: Any) -> Any:
-    """`p` aligned with the leading axes of `x` and broadcast along the rest (as Equinox's
-    `left_broadcast_to`, which `eqx.nn.GroupNorm` applies to its channel weight and bias)."""
-    return jnp.broadcast_to(jnp.reshape(p, p.shape + (1,) * (x.ndim - p.ndim)), x.shape)
-
-
-def _leading_scale_and_shift(has_scale: bool, has_shift: bool) -> Callable[[Any, Any], Any]:
-    def one(v, params):
-        params = list(params)
-        if has_scale:
-            v = _left_broadcast(params.pop(0), v) * v
-        return v + _left_broadcast(params.pop(0), v) if has_shift else v
-
-    def compute(x, params):
-        # The examples size batch axes from `_BATCH` and feature axes never, so the batch axes are
-        # the leading ones sized from `_BATCH`.
-        n_batch = next(i for i, d in enumerate(x.shape) if d not in _BATCH)
-        return _vmapped(lambda v: one(v, params), x, n_batch)
-
-    return compute
-
-
-def _leading_meta(has_scale: bool, has_shift: bool) -> Callable[[Sequence[JaxprEqn]], dict[str, Any] | None]:
-    """Reads `param_axes` off the parameters' reshapes to `(*param_shape, 1, ..., 1)`."""
-
-    def extract(eqns):
-        found = set()
-        for eqn in eqns:
-            if eqn.primitive.name != "reshape":
-                continue
-            shape = tuple(eqn.invars[0].aval.shape)
-            new_sizes = tuple(int(d) for d in eqn.params["new_sizes"])
-            # The pattern compares reshapes by rank only: any other target shape of that rank
-            # (e.g. `(1, c)` instead of `(c, 1)`) aligns the parameter differently.
-            if new_sizes != shape + (1,) * (len(new_sizes) - len(shape)):
-                return None
-            found.add(tuple(range(-len(new_sizes), len(shape) - len(new_sizes))))
-        if len(found) != 1:
-            return None
-        return dict(has_scale=has_scale, has_shift=has_shift, param_axes=found.pop())
-
-    return extract
-
-
-def _fixed_meta(**meta: Any) -> Callable[[Sequence[JaxprEqn]], dict[str, Any]]:
-    """An extractor for patterns whose tag parameters do not depend on the matched equations."""
-    return lambda eqns: dict(meta)
-
-
-def _conv_meta(has_bias: bool) -> Callable[[Sequence[JaxprEqn]], dict[str, Any] | None]:
-    def extract(eqns):
-        (conv,) = [e for e in eqns if e.primitive.name == "conv_general_dilated"]
-        p = conv.params
-        if p["batch_group_count"] != 1:
-            return None
-        return dict(
-            window_strides=tuple(int(s) for s in p["window_strides"]),
-            padding=tuple((int(lo), int(hi)) for lo, hi in p["padding"]),
-            lhs_dilation=tuple(int(s) for s in p["lhs_dilation"]),
-            rhs_dilation=tuple(int(s) for s in p["rhs_dilation"]),
-            dimension_numbers=p["dimension_numbers"],
-            feature_group_count=int(p["feature_group_count"]),
-            has_bias=has_bias,
-        )
-
-    return extract
-
-
-def _f32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
-# Batch sizes, feature sizes and ranks are all distinct so that no example shape is ambiguous.
-_BATCH = (7, 11, 13)
-_IN, _OUT = 3, 5
-
-
-def _dense_examples(weight_shape: tuple[int, int], bias: bool) -> list[_ExampleArgs]:
-    params = (_f32(*weight_shape), _f32(_OUT)) if bias else (_f32(*weight_shape),)
-    return [(_f32(*_BATCH[:n], _IN), params) for n in (1, 2, 3)]
-
-
-def _conv_examples(x_shape, w_shape, bias_shape) -> list[_ExampleArgs]:
-    params = (_f32(*w_shape), _f32(*bias_shape)) if bias_shape else (_f32(*w_shape),)
-    return [(_f32(*x_shape), params)]
-
-
-_FEATURES = (3, 4, 5, 6)
-
-
-def _leading_scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
-    """Per-example inputs of rank 2 to 4 (e.g. `(channels, *spatial)`) under one or two vmaps,
-    with parameters along their first 1 to rank - 1 axes."""
-    examples = []
-    for n_batch in (1, 2):
-        for x_rank in (2, 3, 4):
-            for p_rank in range(1, x_rank):
-                p = _f32(*_FEATURES[:p_rank])
-                examples.append((_f32(*_BATCH[:n_batch], *_FEATURES[:x_rank]), (p,) * n_params))
-    return examples
-
-
-def _scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
-    examples = []
-    for x_rank in (2, 3, 4):
-        for p_rank in range(1, x_rank):
-            x_shape = (*_BATCH[: x_rank - p_rank], *(_IN + 2 * i for i in range(p_rank)))
-            p = _f32(*x_shape[x_rank - p_rank :])
-            examples.append((_f32(*x_shape), (p,) * n_params))
-    return examples
-
-
-def _make_default_patterns() -> tuple[GraphPattern, ...]:
-    patterns = []
-    for bias in (True, False):
-        suffix, precedence = ("with_bias", 0) if bias else ("no_bias", 1)
-        for name, func, w_shape, layout in (
-            ("linear", _linear_per_example, (_OUT, _IN), "out_in"),
-            ("dense_out_in", _dense_out_in, (_OUT, _IN), "out_in"),
-            ("dense_in_out", _dense_in_out, (_IN, _OUT), "in_out"),
-        ):
-            meta = _fixed_meta(weight_layout=layout, has_bias=bias)
-            examples = _dense_examples(w_shape, bias)
-            patterns.append(GraphPattern(f"{name}_{suffix}", dense_tag, func, examples, meta, precedence))
-        for name, func, x_shape, w_shape, b_shape in (
-            ("conv2d", _conv_per_example, (2, _IN, 8, 9), (_OUT, _IN, 3, 2), (_OUT, 1, 1)),
-            ("conv2d_nhwc", _conv_nhwc, (2, 8, 9, _IN), (3, 2, _IN, _OUT), (_OUT,)),
-        ):
-            examples = _conv_examples(x_shape, w_shape, b_shape if bias else None)
-            patterns.append(GraphPattern(f"{name}_{suffix}", conv2d_tag, func, examples, _conv_meta(bias), precedence))
-    patterns.append(
-        GraphPattern(
-            "conv2d_nchw_no_bias", conv2d_tag, _conv_nchw,
-            _conv_examples((2, _IN, 8, 9), (_OUT, _IN, 3, 2), None), _conv_meta(False), 2,
-        )
-    )
-    for name, has_scale, has_shift, precedence in (
-        ("scale_and_shift", True, True, 0),
-        ("scale_only", True, False, 1),
-        ("shift_only", False, True, 1),
-    ):
-        patterns.append(
-            GraphPattern(
-                name, scale_and_shift_tag, _scale_and_shift(has_scale, has_shift),
-                _scale_and_shift_examples(has_scale + has_shift),
-                _fixed_meta(has_scale=has_scale, has_shift=has_shift, param_axes=None), precedence,
-            )
-        )
-        patterns.append(
-            GraphPattern(
-                f"leading_{name}", scale_and_shift_tag, _leading_scale_and_shift(has_scale, has_shift),
-                _leading_scale_and_shift_examples(has_scale + has_shift),
-                _leading_meta(has_scale, has_shift), precedence,
-            )
-        )
-    return tuple(patterns)
-
-
-DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _make_default_patterns()
-"""The patterns `auto_register_tags` uses by default (see the module docstring of `_graph_matcher`)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -810,9 +639,11 @@ def auto_register_tags(
     bound on each layer found (origin: the pattern's name). Tags already in `func` (manual
     registration) are kept and their parameters are not matched again. Every parameter no tag
     claims gets a `generic` tag of its own (origin `"unmatched"`), and a parameter used in more than
-    one place (weight tying, a regulariser inside `func`, a `scan` constant) is never matched to a
-    layer: it gets a generic tag with origin `"shared"`, with a warning naming it. To give it a
-    structured block, register a layer for it by hand.
+    one place that the registered losses depend on (weight tying, a `scan` constant) is never
+    matched to a layer: it gets a generic tag with origin `"shared"`, with a warning naming it. To
+    give it a structured block, register a layer for it by hand. Uses the losses do not depend on (a
+    regulariser added to the loss value, a returned metric) are ignored. Inside `jax.shard_map`
+    with varying-axis checks, the `pvary`s JAX puts on replicated parameters are looked through.
 
     **Arguments:**
 
@@ -860,19 +691,24 @@ def auto_register_tags(
         refs = {jaxpr.invars[p]: (leaf, 0) for p, leaf in positions.items()}
         uses: dict[int, int] = {}
         manual: set[int] = set()
-        _count_uses(jaxpr, refs, uses, manual)
+        # Only what the losses depend on counts: a regulariser or a metric computed from a
+        # parameter is no second use. Without losses, the function's outputs take their place.
+        live: dict[tuple[int, ...], _Live] = {}
+        outs = frozenset() if _has_loss_tag((jaxpr,)) else frozenset(range(len(jaxpr.outvars)))
+        _liveness(jaxpr, outs, (), live)
+        _count_uses(jaxpr, refs, uses, manual, live)
         shared = {leaf for leaf, n in uses.items() if n > 1 and leaf not in manual}
         for leaf in sorted(shared):
             warnings.warn(
-                f"Parameter {paths[leaf]!r} is used in more than one place (weight tying, a term such "
-                "as a regulariser computed from it, or a scan constant reused at every step), so no "
+                f"Parameter {paths[leaf]!r} is used in more than one place that the losses depend on "
+                "(weight tying, or a scan constant reused at every step), so no "
                 "layer pattern can account for it; it gets a generic (per-parameter) tag. Register its "
                 "layer by hand if a structured block is wanted.",
                 stacklevel=2,
             )
         plan = _Plan()
         eligible = {v: r for v, r in refs.items() if r[0] not in manual and r[0] not in shared}
-        _find_matches(jaxpr, eligible, (), patterns, plan)
+        _find_matches(jaxpr, eligible, (), patterns, plan, live)
         leaves = [leaf for leaf in jax.tree.leaves(args) if _is_dynamic(leaf)]
         for position, leaf in positions.items():
             if leaf in manual or leaf in plan.matched_leaves:

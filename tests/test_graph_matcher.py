@@ -26,7 +26,13 @@ from eqx_kfac._tags import (
     register_scale_and_shift,
 )
 
-_SUBJAXPR_KEYS = {"jit": "jaxpr", "remat2": "jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+_SUBJAXPR_KEYS = {
+    "jit": "jaxpr",
+    "remat2": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "shard_map": "jaxpr",
+}
 
 
 def _registrations(fn, args):
@@ -309,6 +315,79 @@ def test_scan_over_stacked_layers(getkey):
     stacked = [r for r in regs if r[1] == ("hidden.weight", "hidden.bias")]
     assert len(stacked) == 1 and dict(stacked[0][2]) == {"has_bias": True, "weight_layout": "out_in"}
     assert stacked[0][4] == ((5, 4),)
+
+
+def _l2(params):
+    return 0.5 * 1e-3 * sum(jnp.sum(p**2) for p in jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_regulariser_and_metrics_are_not_uses(getkey, jit):
+    # kfac-jax's convention puts `l2 / 2 * sum(theta ** 2)` in the loss; with a metric computed
+    # from the first layer (before the model, so that it is the first candidate match), it must
+    # register the same layers as the hand-registered twin without either.
+    model = _MLP((3, 5, 4, 2), jnp.tanh, getkey())
+    batch = _batch(getkey, (6, 3), (6, 2))
+
+    def loss(m, b):
+        x, t = b
+        metric = jnp.mean(jax.vmap(m.layers[0])(2.0 * x))
+        y = register_squared_error_loss(_mlp_apply(m, x))
+        return jnp.sum((y - t) ** 2) + _l2(m), metric
+
+    def twin_loss(m, b):
+        x, t = b
+        return jnp.sum((register_squared_error_loss(_mlp_apply(m, x, register=True)) - t) ** 2)
+
+    loss = jax.jit(loss) if jit else loss
+    tagged = auto_register_tags(loss, (model, batch))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto = _registrations(tagged, (model, batch))
+    manual = _registrations(twin_loss, (model, batch))
+    assert len(_layers(manual)) == 3
+    assert _layers(auto) == _layers(manual) and not _generic(auto)
+    assert [r[3] for r in auto] == ["linear_with_bias"] * 3
+    v1, g1 = eqx.filter_value_and_grad(loss, has_aux=True)(model, batch)
+    v2, g2 = eqx.filter_jit(eqx.filter_value_and_grad(tagged, has_aux=True))(model, batch)
+    # The tags are identities and the operations are the same, so the results agree to rounding.
+    np.testing.assert_allclose(np.array(v2), np.array(v1), rtol=1e-12)
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_shard_map_with_varying_axis_checks(getkey):
+    # With `check_vma=True` (the default) JAX puts `pvary` on the replicated parameters inside
+    # the map; the tags must still record the parameter leaves themselves.
+    model = _NormMLP(getkey())
+    x, t = _batch(getkey, (8, 3), (8, 2))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    spec = jax.sharding.PartitionSpec
+
+    def loss(m, b):
+        x, t = b
+        y = jax.vmap(m.lin2)(jnp.tanh(jax.vmap(m.norm)(jax.vmap(m.lin1)(x))))
+        return jnp.sum((register_squared_error_loss(y) - t) ** 2)
+
+    def sharded(f):
+        def per_device(m, x, t):
+            value, grad = jax.value_and_grad(f)(m, (x, t))
+            return lax.psum(value, "d"), grad
+
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(spec(), spec("d"), spec("d")), out_specs=(spec(), spec()))
+
+    tagged = auto_register_tags(loss, (model, (x, t)))
+    (eqn,) = [e for e in jax.make_jaxpr(sharded(loss))(model, x, t).jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert any(e.primitive.name == "pvary" for e in eqn.params["jaxpr"].eqns)
+    inside = _registrations(sharded(tagged), (model, x, t))
+    outside = _registrations(tagged, (model, (x[:2], t[:2])))
+    assert _layers(inside) == _layers(outside) and len(_layers(inside)) == 3 and not _generic(inside)
+    assert [r[3] for r in inside] == [r[3] for r in outside]
+    v1, g1 = jax.value_and_grad(loss)(model, (x, t))
+    v2, g2 = jax.jit(sharded(tagged))(model, x, t)
+    np.testing.assert_allclose(v2, v1, rtol=1e-12)
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_mixed_manual_and_automatic(getkey):
