@@ -529,6 +529,27 @@ def loss_tags_hvp(func: Callable, params_index: int = 0) -> Callable:
     return wrapped
 
 
+def _varying_axes(x: jax.Array) -> frozenset:
+    # JAX 0.10 keeps the varying manual axes in `aval.mat.varying` (earlier releases: `aval.vma`).
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _check_no_varying_axes(func_args: Sequence[Any]) -> None:
+    # Under `shard_map` with varying-axis checks, the replicated zero perturbations meet per-device
+    # layer outputs through `pvary`, whose transpose sums the output cotangents over devices: the
+    # per-device statistics would silently mix examples of different devices.
+    axes = {axis for leaf in jax.tree.leaves(func_args) if isinstance(leaf, jax.Array) for axis in _varying_axes(leaf)}
+    if axes:
+        raise ValueError(
+            f"Per-layer curvature statistics were requested inside `jax.shard_map` with varying-axis "
+            f"checks on (arguments vary over the mesh axes {sorted(map(str, axes))}). Run the map with "
+            "`check_vma=False` and pass `axis_name=` to the estimator update so the per-device "
+            "statistics are averaged over devices."
+        )
+
+
 def layer_tags_vjp(func: Callable, params_index: int = 0) -> Callable:
     """Per-layer data and the vjp through the layers' outputs and parameters.
 
@@ -549,6 +570,7 @@ def layer_tags_vjp(func: Callable, params_index: int = 0) -> Callable:
     """
 
     def wrapped(func_args: Sequence[Any]):
+        _check_no_varying_axes(func_args)
         traced = trace(func, func_args, params_index)
         params, others = traced.split_args(func_args)
         specs = traced.layer_specs

@@ -328,8 +328,7 @@ def test_axis_name_averages_statistics_over_devices(getkey):
             axis_name="batch",
         )
 
-    # With varying-axis checks JAX casts the replicated parameters with `pvary` inside the map,
-    # which (for now) hides the layers from the graph patterns.
+    # Per-device statistics need the map without varying-axis checks (see the test below).
     sharded = jax.jit(
         jax.shard_map(
             per_device,
@@ -360,3 +359,22 @@ def test_layers_changing_with_the_arguments_is_an_error(getkey):
     small = (problem.params, jax.tree.map(lambda a: a[:2], problem.batch))
     with pytest.raises(ValueError, match="different layers"):
         estimator.update_curvature_matrix_estimate(estimator.init(), 0.0, 1.0, 2, getkey(), small)
+
+
+
+def test_varying_axis_checks_are_rejected_with_advice(getkey):
+    problem = mlp_classification(getkey(), batch=8)
+    x, y = problem.batch
+    estimator = BlockDiagonalCurvature(problem.loss_fn, problem.func_args)
+    state0 = estimator.init()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("batch",))
+    spec = jax.sharding.PartitionSpec
+
+    def per_device(x, y):
+        return estimator.update_curvature_matrix_estimate(
+            state0, 0.0, 1.0, x.shape[0], getkey(), (problem.params, (x, y)), "ggn_exact",
+            axis_name="batch",
+        )
+
+    with pytest.raises(ValueError, match="check_vma=False"):
+        jax.shard_map(per_device, mesh=mesh, in_specs=(spec("batch"), spec("batch")), out_specs=spec())(x, y)
