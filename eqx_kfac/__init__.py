@@ -22,6 +22,7 @@ from ._blocks import (
     ScaleAndShiftFull as ScaleAndShiftFull,
     ScaledIdentity as ScaledIdentity,
 )
+from ._custom_loss import CustomLoss as CustomLoss, register_custom_loss as register_custom_loss
 from ._embedding_tag import (
     embedding_pattern as embedding_pattern,
     embedding_tag as embedding_tag,
@@ -81,9 +82,18 @@ from ._operators import (
     trace as trace,
 )
 from ._optimizer import Optimizer as Optimizer, OptimizerState as OptimizerState
+from ._optax import (
+    kfac_preconditioner as kfac_preconditioner,
+    KFACPreconditionerState as KFACPreconditionerState,
+)
 from ._patches import (
     patches_moments as patches_moments,
     patches_moments_explicit as patches_moments_explicit,
+)
+from ._solvers import (
+    damped_block_operator as damped_block_operator,
+    solve as solve,
+    solve_block as solve_block,
 )
 from ._tags import (
     LayerTag as LayerTag,

@@ -1,0 +1,277 @@
+"""`kfac_preconditioner`: K-FAC as an optax gradient transformation.
+
+The transformation keeps the curvature estimate (moving averages and cached inverses) in its optax
+state and maps gradients to `(C + (l2_reg + damping) I)⁻¹ g`. Everything else (learning rate,
+momentum, clipping, weight decay, schedules, gradient accumulation) is left to ordinary optax
+transformations around it.
+"""
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree
+
+from ._blocks import CurvatureBlock
+from ._estimators import BlockDiagonalCurvature, EstimatorState
+from ._estimators.base import default_batch_size_extractor, ESTIMATION_MODES
+from ._layer_data import LayerSpec
+
+
+class KFACPreconditionerState(eqx.Module):
+    """The optax state of `kfac_preconditioner` (final).
+
+    All leaves are arrays whose shapes and dtypes never change, so the state works with
+    `optax.MultiSteps`, `optax.apply_if_finite`, `jax.lax.cond` and `eqx.tree_serialise_leaves`.
+
+    **Fields:**
+
+    - `count`: the number of updates so far (`int32`).
+    - `estimator_state`: the curvature estimator's state (moving averages and cached inverses).
+    """
+
+    count: Int[Array, ""]
+    estimator_state: EstimatorState
+
+
+_ESTIMATORS: collections.OrderedDict = collections.OrderedDict()
+_ESTIMATORS_SIZE = 32
+
+
+def _abstract(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x
+
+
+def _estimator(
+    loss_fn: Callable[..., Any],
+    example_args: tuple[Any, ...],
+    estimation_mode: str,
+    layer_tag_to_block_ctor: Mapping[str, Callable[[LayerSpec], CurvatureBlock]] | None,
+) -> BlockDiagonalCurvature:
+    """The estimator for these arguments, built (tracing `loss_fn`) once per signature.
+
+    `optax.inject_hyperparams` rebuilds the transformation at every update, so without the cache
+    every update would trace the loss again.
+    """
+    abstract = jax.tree.map(_abstract, example_args)
+    leaves, treedef = jax.tree.flatten(abstract)
+    ctors = tuple(sorted((layer_tag_to_block_ctor or {}).items()))
+    key = (
+        loss_fn,
+        treedef,
+        tuple((x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x for x in leaves),
+        estimation_mode,
+        ctors,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _ESTIMATORS:
+        _ESTIMATORS.move_to_end(key)
+        return _ESTIMATORS[key]
+    estimator = BlockDiagonalCurvature(
+        loss_fn,
+        abstract,
+        default_estimation_mode=estimation_mode,
+        layer_tag_to_block_ctor=dict(ctors) or None,
+    )
+    if key is not None:
+        _ESTIMATORS[key] = estimator
+        if len(_ESTIMATORS) > _ESTIMATORS_SIZE:
+            _ESTIMATORS.popitem(last=False)
+    return estimator
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"kfac_preconditioner: {name} must be a Python integer >= 1, got {value!r}. Under "
+            f"`optax.inject_hyperparams`, list it in `static_args`."
+        )
+    return value
+
+
+def _on_period(period: int, count: Array, fn: Callable[[Any], Any], value: Any) -> Any:
+    if period == 1:
+        return fn(value)
+    return jax.lax.cond(count % period == 0, fn, lambda v: v, value)
+
+
+def kfac_preconditioner(
+    loss_fn: Callable[..., Any],
+    example_args: Sequence[Any],
+    *,
+    damping: float | ArrayLike | optax.Schedule,
+    l2_reg: float | ArrayLike = 0.0,
+    curvature_ema: float | ArrayLike = 0.95,
+    curvature_update_period: int = 1,
+    inverse_update_period: int = 5,
+    estimation_mode: str = "fisher_gradients",
+    use_exact_inverses: bool = False,
+    layer_tag_to_block_ctor: Mapping[str, Callable[[LayerSpec], CurvatureBlock]] | None = None,
+    batch_size_extractor: Callable[[Any], Any] = default_batch_size_extractor,
+) -> optax.GradientTransformationExtraArgs:
+    """K-FAC preconditioning as an optax transformation: `g ↦ (C + (l2_reg + damping) I)⁻¹ g`.
+
+    `C` is the block-diagonal curvature estimate of `BlockDiagonalCurvature` (K-FAC blocks for
+    dense and conv layers by default), kept in the optax state. `update` folds the batch into
+    the estimate every `curvature_update_period` steps, refreshes the cached inverses (damped by
+    `l2_reg + damping`) every `inverse_update_period` steps, and returns the preconditioned
+    gradient. It returns a *descent direction*, not an update: follow it with a learning rate.
+
+    **Matching `Optimizer`.** kfac-jax's update is `δ_k = m·δ_{k-1} − lr_k·P g_k`. Since
+    `optax.trace(m)` computes `t_k = m·t_{k-1} + u_k`,
+
+    - `optax.chain(kfac_preconditioner(...), optax.trace(m), optax.scale(-lr))` gives
+      `−lr·t_k = m·(−lr·t_{k-1}) − lr·P g_k`: the same steps as `Optimizer` with fixed
+      `learning_rate=lr, momentum=m, damping=d` (and `num_burnin_steps=0`), for a fixed `lr`;
+    - `optax.chain(kfac_preconditioner(...), optax.scale_by_schedule(lambda k: -lr(k)),
+      optax.trace(m))` puts the learning rate before the momentum, as kfac-jax does, and matches
+      `Optimizer` with `learning_rate_schedule=lr` too. (With trace first, a changing learning
+      rate would also rescale the accumulated velocity.)
+
+    Pass the same PRNG key to `update` as to `Optimizer.step` for the same curvature samples.
+
+    **Usage.**
+
+    ```python
+    precondition = eqx_kfac.kfac_preconditioner(loss, (model, batch), damping=1e-3)
+    optimizer = optax.chain(precondition, optax.trace(0.9), optax.scale(-0.1))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt_state = optimizer.init(params)
+    grads = eqx.filter_grad(loss)(model, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params, batch=batch, key=key)
+    model = eqx.apply_updates(model, updates)
+    ```
+
+    Under `optax.inject_hyperparams`, name the non-numeric arguments static:
+    `optax.inject_hyperparams(eqx_kfac.kfac_preconditioner, static_args=("loss_fn",
+    "curvature_update_period", "inverse_update_period", "batch_size_extractor"))`; `damping`,
+    `l2_reg` and `curvature_ema` then become injectable hyperparameters.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch)`, the training loss; it must register its losses (e.g.
+      `register_softmax_cross_entropy_loss`).
+    - `example_args`: `(model, batch)` with the shapes of every later call. They fix the
+      structure and the non-array parts of the model: `init`/`update` take only its inexact
+      arrays (`eqx.filter(model, eqx.is_inexact_array)`; the full model is accepted too).
+    - `damping`: the damping `d`: a number, or an optax schedule of the update count.
+    - `l2_reg`: the L2 coefficient of the loss, added to the damping (the preconditioner does
+      not add an L2 term to the gradient).
+    - `curvature_ema`: decay of the curvature moving averages.
+    - `curvature_update_period`: update the curvature on every `k`-th step (starting with the
+      first).
+    - `inverse_update_period`: refresh the cached inverses every `k`-th step; `1` uses no cache
+      (the inverse of the current estimate at every step).
+    - `estimation_mode`: one of `fisher_gradients`, `fisher_empirical`, `fisher_exact`,
+      `fisher_curvature_prop`, `ggn_exact`, `ggn_curvature_prop`.
+    - `use_exact_inverses`: invert Kronecker blocks exactly instead of with pi-adjusted damping.
+    - `layer_tag_to_block_ctor`: block class per tag name, overriding the defaults.
+    - `batch_size_extractor`: the batch size of `batch` (default: the leading dimension of its
+      first array).
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` whose `update(grads, state, params, *, batch,
+    key)` needs the current `params` (or model), this step's `batch` and a PRNG `key` for the
+    sampled estimation modes (ignored by the exact ones). Its state is a
+    `KFACPreconditionerState`.
+    """
+    example_args = tuple(example_args)
+    if len(example_args) != 2:
+        raise ValueError(
+            "kfac_preconditioner: example_args must be `(model, batch)`, the arguments of "
+            f"loss_fn(model, batch); got {len(example_args)} arguments."
+        )
+    if estimation_mode not in ESTIMATION_MODES:
+        raise ValueError(
+            f"kfac_preconditioner: unknown estimation_mode {estimation_mode!r}; expected one of "
+            f"{', '.join(ESTIMATION_MODES)}."
+        )
+    curvature_update_period = _check_int("curvature_update_period", curvature_update_period)
+    inverse_update_period = _check_int("inverse_update_period", inverse_update_period)
+    estimator = _estimator(loss_fn, example_args, estimation_mode, layer_tag_to_block_ctor)
+    static_model = eqx.filter(example_args[0], eqx.is_inexact_array, inverse=True)
+    use_cached = inverse_update_period != 1
+    if not use_cached:
+        exact, approx = None, None
+    else:
+        exact, approx = (-1, None) if use_exact_inverses else (None, -1)
+
+    def model_from(params: PyTree) -> PyTree:
+        if params is None:
+            raise ValueError(
+                "kfac_preconditioner: update needs the current parameters: call "
+                "`update(grads, state, params, batch=..., key=...)`."
+            )
+        return eqx.combine(eqx.filter(params, eqx.is_inexact_array), static_model)
+
+    def init_fn(params: PyTree) -> KFACPreconditionerState:
+        del params
+        return KFACPreconditionerState(
+            count=jnp.zeros((), jnp.int32),
+            estimator_state=estimator.init(None, exact, approx),
+        )
+
+    def update_fn(
+        updates: PyTree,
+        state: KFACPreconditionerState,
+        params: PyTree = None,
+        *,
+        batch: PyTree = None,
+        key: PRNGKeyArray | None = None,
+        **extra_args: Any,
+    ) -> tuple[PyTree, KFACPreconditionerState]:
+        # Other transformations of a chain may take extra arguments of their own.
+        del extra_args
+        if batch is None:
+            raise ValueError(
+                "kfac_preconditioner: update needs this step's batch: call "
+                "`update(grads, state, params, batch=..., key=...)`."
+            )
+        if key is None:
+            if not estimation_mode.endswith("_exact"):
+                raise ValueError(
+                    f"kfac_preconditioner: estimation_mode={estimation_mode!r} samples, so update "
+                    "needs a PRNG key: call `update(grads, state, params, batch=..., key=...)`."
+                )
+            key = jax.random.key(0)
+        count = state.count
+        current_damping = damping(count) if callable(damping) else damping
+        identity_weight = l2_reg + jnp.asarray(current_damping)
+        func_args = (model_from(params), batch)
+        batch_size = batch_size_extractor(batch)
+
+        def update_curvature(estimator_state: EstimatorState) -> EstimatorState:
+            return estimator.update_curvature_matrix_estimate(
+                estimator_state, curvature_ema, 1.0, batch_size, key, func_args
+            )
+
+        estimator_state = _on_period(
+            curvature_update_period, count, update_curvature, state.estimator_state
+        )
+        if use_cached:
+            estimator_state = _on_period(
+                inverse_update_period,
+                count,
+                lambda s: estimator.update_cache(s, identity_weight, exact, approx),
+                estimator_state,
+            )
+        grads = eqx.filter(updates, eqx.is_inexact_array)
+        preconditioned = estimator.multiply_matpower(
+            estimator_state, grads, identity_weight, -1, use_exact_inverses, use_cached
+        )
+        preconditioned = jax.tree.map(lambda p, g: p.astype(g.dtype), preconditioned, grads)
+        new_state = KFACPreconditionerState(
+            count=optax.safe_increment(count), estimator_state=estimator_state
+        )
+        return preconditioned, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

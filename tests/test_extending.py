@@ -1,0 +1,54 @@
+"""Runs the example of `docs/extending.md` and checks what the page claims about it."""
+
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import eqx_kfac
+
+PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "extending.md"
+
+
+@pytest.fixture(scope="module")
+def page():
+    """The namespace after executing every Python block of the page, in order."""
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
+    assert len(blocks) >= 5
+    namespace: dict = {"__name__": "extending_example"}
+    exec(compile("\n".join(blocks), str(PAGE), "exec"), namespace)
+    return namespace
+
+
+def test_pattern_registers_the_layer_with_the_new_block(page):
+    registration = page["estimator"].registrations()["gain.log_gain"]
+    assert registration == ("gain", "GainDiagonal", "gain")
+
+
+def test_block_is_the_exact_ggn_diagonal(page):
+    estimator, state, block = page["estimator"], page["state"], page["gain_block"]
+    model, batch, loss_fn = page["model"], page["batch"], page["loss_fn"]
+    exact = eqx_kfac.ExplicitExactCurvature(
+        loss_fn, (model, batch), default_estimation_mode="ggn_exact"
+    )
+    exact_state = exact.update_curvature_matrix_estimate(
+        exact.init(), 0.0, 1.0, 8, jax.random.key(0), (model, batch)
+    )
+    dense = np.asarray(exact.to_dense_matrix(exact_state))
+    sizes = [int(np.prod(s)) for s in estimator.param_shapes]
+    (index,) = block.spec.param_indices
+    start = sum(sizes[:index])
+    positions = np.arange(start, start + sizes[index])
+    np.testing.assert_allclose(
+        np.asarray(block.to_dense_matrix(state.block_states[estimator.blocks.index(block)])),
+        np.diag(np.diag(dense)[positions]),
+        rtol=1e-8,
+        atol=1e-12,
+    )
+
+
+def test_optimizer_trains_with_the_extension(page):
+    loss_fn, batch = page["loss_fn"], page["batch"]
+    assert float(loss_fn(page["trained"], batch)) < 0.3 * float(loss_fn(page["model"], batch))
