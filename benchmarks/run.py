@@ -1,0 +1,228 @@
+"""K-FAC vs Adam vs SGD on scikit-learn's bundled digits, full batch, on this machine.
+
+    pip install -e ".[dev]" && python benchmarks/run.py
+
+Problems (see `_problems.py`): an MLP classifier 64-128-128-10 (softmax cross-entropy) and a deep
+autoencoder 64-256-128-64-16-64-128-256-64 (sigmoid cross-entropy on the [0, 1] pixels), both tanh,
+full batch (1,797 images), with `1e-5 / 2 * |θ|²` added to the loss.
+
+Optimizers:
+- Adam: every learning rate of a small grid for `--steps-adam` steps; the best final loss is the
+  target the others are measured against.
+- SGD with momentum 0.9: a small learning-rate grid, as many steps as Adam.
+- K-FAC (`eqx_kfac.Optimizer`): adaptive learning rate, momentum and damping (initial damping
+  1.0), `--kfac-estimation-mode` curvature, at most `--steps-kfac` steps.
+
+Every step is compiled once (compile time reported separately) and timed until its loss is
+ready. The table gives, per run, the final loss, the steps and seconds (compiled steps only) to
+reach Adam's best final loss, that time as a fraction of the best Adam run's total time, and the
+total time; plots of loss against steps and against seconds go to `--out`.
+"""
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+
+PROBLEMS = ("classifier", "autoencoder")
+OPTIMIZERS = ("adam", "sgd", "kfac")
+ESTIMATION_MODES = (
+    "fisher_gradients",
+    "fisher_empirical",
+    "fisher_exact",
+    "fisher_curvature_prop",
+    "ggn_exact",
+    "ggn_curvature_prop",
+)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (see `--help`)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--problems", nargs="+", choices=PROBLEMS, default=list(PROBLEMS))
+    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    parser.add_argument("--steps-adam", type=int, default=3000,
+                        help="steps of every Adam run (and of every SGD run)")
+    parser.add_argument("--steps-kfac", type=int, default=200,
+                        help="steps of every K-FAC run (the most, with --kfac-stop-at-target)")
+    parser.add_argument("--kfac-stop-at-target", action="store_true",
+                        help="stop K-FAC as soon as it reaches Adam's best final loss")
+    parser.add_argument("--kfac-estimation-mode", choices=ESTIMATION_MODES,
+                        default="ggn_curvature_prop")
+    parser.add_argument("--kfac-burnin", type=int, default=10,
+                        help="K-FAC curvature updates on the batch before its first step")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="number of seeds (0, 1, ...): model initialisation and K-FAC keys")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
+                        help="folder for the plots")
+    parser.add_argument("--no-plots", action="store_true", help="do not write plots")
+    parser.add_argument("--float64", action="store_true", help="train in float64 (default float32)")
+    args = parser.parse_args(argv)
+    for name in ("steps_adam", "steps_kfac", "seeds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def _fmt(value: float | int | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(runs: list, adam: dict) -> str:
+    """A markdown table, one row per run, measured against Adam's best run.
+
+    **Arguments:**
+
+    - `runs`: the runs to list.
+    - `adam`: `(problem, seed) -> ` the best Adam run (absent without Adam).
+
+    **Returns:**
+
+    The table as text. "x Adam" is the time to reach Adam's best final loss divided by the best
+    Adam run's total time; "x Adam (medians)" estimates the same ratio from median step times
+    (steps to reach x median step time, over Adam's steps x Adam's median step time), which a
+    machine shared with other work disturbs less.
+    """
+    import numpy as np
+
+    header = (
+        "| problem | seed | optimizer | final loss | steps to Adam's best | s to Adam's best "
+        "| x Adam | x Adam (medians) | total s | ms/step (median) | compile s |"
+    )
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for run in runs:
+        best = adam.get((run.problem, run.seed))
+        reached = None if best is None else run.first_reaching(best.final_loss)
+        seconds = ratio = median_ratio = None
+        if reached is not None:
+            seconds = float(run.elapsed[reached])
+            ratio = seconds / float(best.elapsed[-1])
+            median_ratio = (reached * float(np.median(run.times))) / (
+                len(best.times) * float(np.median(best.times))
+            )
+        lines.append(
+            f"| {run.problem} | {run.seed} | {run.label} | {_fmt(run.final_loss, '.4f')} "
+            f"| {_fmt(reached, 'd')} | {_fmt(seconds, '.2f')} | {_fmt(ratio, '.3f')} "
+            f"| {_fmt(median_ratio, '.3f')} | {run.elapsed[-1]:.2f} "
+            f"| {1e3 * float(np.median(run.times)):.2f} | {run.compile_time:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(problem: str, runs: list, best: list, target: float | None, out: str) -> str:
+    """Writes `out/<problem>.png`: loss against steps and against seconds, log scale.
+
+    **Arguments:**
+
+    - `problem`: the problem's name.
+    - `runs`: every run of the problem (the grids' other runs are drawn faintly).
+    - `best`: the runs to draw in full and label.
+    - `target`: Adam's best final loss (a dashed line), or `None`.
+    - `out`: the folder.
+
+    **Returns:**
+
+    The path of the image.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"adam": "tab:blue", "sgd": "tab:orange", "kfac": "tab:green"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for run in runs:
+        is_best = any(run is b for b in best)
+        style = dict(color=colors[run.optimizer], lw=1.6 if is_best else 0.8,
+                     alpha=1.0 if is_best else 0.25,
+                     label=run.label if is_best and run.seed == 0 else None)
+        axes[0].plot(range(len(run.losses)), run.losses, **style)
+        axes[1].plot(run.elapsed, run.losses, **style)
+    for ax, xlabel in zip(axes, ("step", "seconds (compiled steps)")):
+        if target is not None:
+            ax.axhline(target, color="gray", ls="--", lw=0.8, label="Adam's best final loss")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("training loss (incl. l2)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"digits {problem}, full batch")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{problem}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def best_run(runs: list) -> object | None:
+    """The run with the lowest finite final loss, or `None` if all diverged."""
+    import numpy as np
+
+    finite = [r for r in runs if np.isfinite(r.final_loss)]
+    return min(finite, key=lambda r: r.final_loss) if finite else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    if args.float64:
+        jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    from _problems import make_problems
+    from _training import train_kfac, train_optax
+
+    problems = make_problems(jnp.float64 if args.float64 else jnp.float32)
+    listed, kfac_error = [], None
+    adam, plots = {}, []
+    for name in args.problems:
+        problem = problems[name]
+        problem_runs, problem_best = [], []
+        for seed in range(args.seeds):
+            best = {}
+            for optimizer, lrs in (("adam", problem.adam_lrs), ("sgd", problem.sgd_lrs)):
+                if optimizer not in args.optimizers:
+                    continue
+                grid = [train_optax(problem, optimizer, lr, seed, args.steps_adam) for lr in lrs]
+                problem_runs += grid
+                best[optimizer] = best_run(grid)
+                print(f"{name} seed {seed} {optimizer}: final loss per lr: "
+                      + ", ".join(f"{r.learning_rate:g}: {r.final_loss:.4f}" for r in grid))
+            if best.get("adam") is not None:
+                adam[(name, seed)] = best["adam"]
+            target = adam[(name, seed)].final_loss if (name, seed) in adam else None
+            if "kfac" in args.optimizers and kfac_error is None:
+                try:
+                    best["kfac"] = train_kfac(
+                        problem, seed, args.steps_kfac, args.kfac_estimation_mode,
+                        args.kfac_burnin,
+                        target if args.kfac_stop_at_target else None,
+                    )
+                except RuntimeError as error:
+                    kfac_error = error
+                else:
+                    problem_runs.append(best["kfac"])
+            chosen = [best[o] for o in OPTIMIZERS if best.get(o) is not None]
+            listed += chosen
+            problem_best += chosen
+        if not args.no_plots and problem_runs:
+            target = adam[(name, 0)].final_loss if (name, 0) in adam else None
+            plots.append(plot(name, problem_runs, problem_best, target, args.out))
+
+    print()
+    print(table(listed, adam))
+    for path in plots:
+        print(f"wrote {path}")
+    if kfac_error is not None:
+        print(f"\nK-FAC FAILED: {kfac_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
