@@ -189,7 +189,6 @@ def make_kfac(problem: Problem, estimation_mode: str, num_burnin_steps: int) -> 
     return eqx_kfac.Optimizer(
         eqx.filter_value_and_grad(problem.loss),
         l2_reg=L2_REG,
-        value_func_for_estimator=problem.data_loss,
         use_adaptive_learning_rate=True,
         use_adaptive_momentum=True,
         use_adaptive_damping=True,

@@ -85,7 +85,7 @@ def test_steps_and_seconds_to_target():
 
 def test_training_loop_stops_at_target_and_on_divergence():
     fake = _problems.Problem(
-        name="fake", make_model=None, data_loss=None, loss=lambda count, batch: 10.0 - count,
+        name="fake", make_model=None, loss=lambda count, batch: 10.0 - count,
         batch=jnp.zeros(()), adam_lrs=(), sgd_lrs=(),
     )
 
