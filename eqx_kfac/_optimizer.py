@@ -18,7 +18,6 @@ Every decision that depends on the step counter is taken inside the compiled gra
 so `step` gives the same result called directly or inside a user's `jit`.
 """
 
-import inspect
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,11 +27,23 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from . import _distributed
 from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
-from ._estimators.base import ESTIMATION_MODES, default_batch_size_extractor
+from ._estimators.base import default_batch_size_extractor
+from ._optimizer_config import (
+    EstimatorCache,
+    OptimizerState as OptimizerState,
+    Schedule,
+    abstract,
+    call_schedule,
+    check_batch,
+    check_constructor_arguments,
+    check_func_state,
+    check_hyperparameters,
+    signature,
+)
 from ._quad_model import (
     QuadraticModel,
     all_finite,
@@ -46,76 +57,6 @@ from ._quad_model import (
 
 
 logger = logging.getLogger("eqx_kfac")
-
-Schedule = Callable[..., ArrayLike]
-
-
-class OptimizerState(eqx.Module):
-    """The state of `Optimizer` (also available as `Optimizer.State`).
-
-    **Fields:**
-
-    - `velocities`: the previous update `θ_t - θ_{t-1}`, shaped like
-      `eqx.filter(params, eqx.is_inexact_array)`.
-    - `estimator_state`: the curvature estimator's state (moving averages and cached inverses).
-    - `damping`: with adaptive damping, the current damping; otherwise the damping of the last
-      step (`initial_damping`, or 0, before the first step).
-    - `data_seen`: the number of examples processed.
-    - `step_counter`: the number of steps taken.
-    - `batch_signature`: (static) the structure, shapes and dtypes of the batch given to `init`;
-      `step` rejects batches that differ.
-    """
-
-    velocities: PyTree[Array]
-    estimator_state: EstimatorState
-    damping: Float[Array, ""]
-    data_seen: Int[Array, ""]
-    step_counter: Int[Array, ""]
-    batch_signature: Any = eqx.field(static=True)
-
-
-class _EstimatorCache:
-    """Estimators built so far, keyed by the abstract signature of the function arguments.
-
-    Building an estimator traces the loss; the cache makes that happen once per signature (and
-    the registration report is logged then). Hashes by identity so the optimizer stays hashable.
-    """
-
-    def __init__(self):
-        self.entries: dict[Any, tuple[BlockDiagonalCurvature, ImplicitExactCurvature]] = {}
-
-
-def _abstract(x: Any) -> Any:
-    if eqx.is_array(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return x
-
-
-def _signature(tree: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple(
-        (tuple(x.shape), str(x.dtype)) if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-        else ("static", x)
-        for x in leaves
-    ))
-
-
-def _describe_signature(signature: Any) -> str:
-    return ", ".join(
-        f"{dtype}{list(shape)}" if shape != "static" else f"static {dtype!r}"
-        for shape, dtype in signature[1]
-    )
-
-
-def _call_schedule(schedule: Schedule, step: Array, data_seen: Array) -> Array:
-    try:
-        accepts_data_seen = "data_seen" in inspect.signature(schedule).parameters
-    except (TypeError, ValueError):
-        accepts_data_seen = False
-    if accepts_data_seen:
-        return jnp.asarray(schedule(step, data_seen=data_seen))
-    return jnp.asarray(schedule(step))
-
 
 def _tree_select(pred: Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(
@@ -189,7 +130,7 @@ class Optimizer(eqx.Module):
     distributed_precon_apply: bool = eqx.field(static=True)
     distributed_inverses: bool = eqx.field(static=True)
     skip_non_finite: bool = eqx.field(static=True)
-    _cache: _EstimatorCache = eqx.field(static=True)
+    _cache: EstimatorCache = eqx.field(static=True)
 
     def __init__(
         self,
@@ -299,69 +240,29 @@ class Optimizer(eqx.Module):
         - `value_func_for_estimator`: the function whose registrations the curvature estimator
           traces (keyword only; default `value_func`), e.g. the loss without regularisers.
         """
-        if mesh is not None:
-            _distributed.check_mesh(mesh, pmap_axis_name)
-        for adaptive, schedule, name in (
-            (use_adaptive_learning_rate, learning_rate_schedule, "learning_rate"),
-            (use_adaptive_momentum, momentum_schedule, "momentum"),
-            (use_adaptive_damping, damping_schedule, "damping"),
-        ):
-            if adaptive and schedule is not None:
-                raise ValueError(
-                    f"use_adaptive_{name}=True and a {name}_schedule were both given; the "
-                    f"{name} is either adapted or scheduled. Drop one of them."
-                )
-        if use_adaptive_damping and initial_damping is None:
-            raise ValueError(
-                "use_adaptive_damping=True needs initial_damping (a good start is 1.0 for a loss "
-                "of order 1; see the damping advice in the Optimizer docs)."
-            )
-        if norm_constraint is not None and use_adaptive_learning_rate:
-            raise ValueError(
-                "norm_constraint cannot be used with use_adaptive_learning_rate=True: the adaptive "
-                "learning rate already chooses the step length. Drop one of them."
-            )
-        if estimation_mode not in ESTIMATION_MODES:
-            raise ValueError(
-                f"Unknown estimation_mode {estimation_mode!r}; expected one of "
-                f"{', '.join(ESTIMATION_MODES)}."
-            )
-        for name, value, minimum in (
-            ("damping_adaptation_interval", damping_adaptation_interval, 1),
-            ("inverse_update_period", inverse_update_period, 1),
-            ("curvature_update_period", curvature_update_period, 1),
-            ("num_burnin_steps", num_burnin_steps, 0),
-        ):
-            if not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-        if curvature_update_period > inverse_update_period:
-            raise ValueError(
-                f"curvature_update_period ({curvature_update_period}) is larger than "
-                f"inverse_update_period ({inverse_update_period}): the same inverse would be "
-                "recomputed. Make inverse_update_period at least curvature_update_period."
-            )
-        if not 0.0 < damping_adaptation_decay <= 1.0:
-            raise ValueError(
-                f"damping_adaptation_decay must be in (0, 1], got {damping_adaptation_decay}."
-            )
-        if damping_lower_threshold > damping_upper_threshold:
-            raise ValueError(
-                f"damping_lower_threshold ({damping_lower_threshold}) is above "
-                f"damping_upper_threshold ({damping_upper_threshold})."
-            )
-        if not 0.0 <= curvature_ema <= 1.0:
-            raise ValueError(f"curvature_ema must be in [0, 1], got {curvature_ema}.")
-        if value_func is None:
-            value_func = getattr(value_and_grad_func, "__wrapped__", None)
-            value_func = inspect.unwrap(value_func) if value_func is not None else None
-        if value_func is None:
-            # Tracing through `value_and_grad_func` would show the tracer the backward pass too,
-            # whose uses of the weights look like extra layers: ask for the loss instead.
-            raise ValueError(
-                "Cannot recover the loss function from value_and_grad_func: it has no "
-                "`__wrapped__` attribute. Build it with eqx.filter_value_and_grad(loss) or "
-                "jax.value_and_grad(loss) (or functools.wraps(loss)), or pass value_func=loss."
-            )
+        value_func = check_constructor_arguments(
+            value_and_grad_func=value_and_grad_func,
+            value_func=value_func,
+            mesh=mesh,
+            pmap_axis_name=pmap_axis_name,
+            use_adaptive_learning_rate=use_adaptive_learning_rate,
+            learning_rate_schedule=learning_rate_schedule,
+            use_adaptive_momentum=use_adaptive_momentum,
+            momentum_schedule=momentum_schedule,
+            use_adaptive_damping=use_adaptive_damping,
+            damping_schedule=damping_schedule,
+            initial_damping=initial_damping,
+            norm_constraint=norm_constraint,
+            estimation_mode=estimation_mode,
+            damping_adaptation_interval=damping_adaptation_interval,
+            inverse_update_period=inverse_update_period,
+            curvature_update_period=curvature_update_period,
+            num_burnin_steps=num_burnin_steps,
+            damping_adaptation_decay=damping_adaptation_decay,
+            damping_lower_threshold=damping_lower_threshold,
+            damping_upper_threshold=damping_upper_threshold,
+            curvature_ema=curvature_ema,
+        )
         self.value_and_grad_func = value_and_grad_func
         self.value_func = value_func
         self.value_func_for_estimator = value_func_for_estimator or value_func
@@ -407,7 +308,7 @@ class Optimizer(eqx.Module):
         self.distributed_precon_apply = distributed_precon_apply
         self.distributed_inverses = distributed_inverses
         self.skip_non_finite = skip_non_finite
-        self._cache = _EstimatorCache()
+        self._cache = EstimatorCache()
 
     # --- configuration helpers --------------------------------------------------------------
 
@@ -468,8 +369,8 @@ class Optimizer(eqx.Module):
         `(block_diagonal, implicit_exact)`: the K-FAC estimator and the exact products used by the
         quadratic model.
         """
-        abstract = jax.tree.map(_abstract, tuple(func_args))
-        key = _signature(abstract)
+        abstract_args = jax.tree.map(abstract, tuple(func_args))
+        key = signature(abstract_args)
         try:
             hash(key)
         except TypeError:
@@ -483,7 +384,7 @@ class Optimizer(eqx.Module):
             kwargs["patterns_to_skip"] = self.patterns_to_skip
         block_diagonal = BlockDiagonalCurvature(
             self.value_func_for_estimator,
-            abstract,
+            abstract_args,
             params_index=0,
             default_estimation_mode=self.estimation_mode,
             layer_tag_to_block_ctor=dict(self.layer_tag_to_block_ctor) or None,
@@ -518,7 +419,7 @@ class Optimizer(eqx.Module):
 
         An `Optimizer.State`.
         """
-        self._check_func_state(func_state)
+        check_func_state(self, func_state)
         func_args = self._func_args(params, func_state, rng, self._process(batch))
         block_diagonal, _ = self.estimators(func_args)
         exact, approx = self._powers_to_cache
@@ -532,58 +433,10 @@ class Optimizer(eqx.Module):
             ),
             data_seen=jnp.zeros((), int),
             step_counter=jnp.zeros((), int),
-            batch_signature=_signature(batch),
+            batch_signature=signature(batch),
         )
 
     # --- step -------------------------------------------------------------------------------
-
-    def _check_func_state(self, func_state: Any) -> None:
-        if self.value_func_has_state and func_state is None:
-            raise ValueError(
-                "value_func_has_state=True but func_state is None: pass the function state "
-                "(e.g. the model's eqx.nn.State) as func_state=."
-            )
-        if not self.value_func_has_state and func_state is not None:
-            raise ValueError(
-                "func_state was given but value_func_has_state=False; construct the optimizer "
-                "with value_func_has_state=True or drop func_state."
-            )
-
-    def _check_hyperparameters(
-        self, learning_rate: Any, momentum: Any, damping: Any
-    ) -> None:
-        for name, value, adaptive, schedule in (
-            ("learning_rate", learning_rate, self.use_adaptive_learning_rate,
-             self.learning_rate_schedule),
-            ("momentum", momentum, self.use_adaptive_momentum, self.momentum_schedule),
-            ("damping", damping, self.use_adaptive_damping, self.damping_schedule),
-        ):
-            if adaptive and value is not None:
-                raise ValueError(
-                    f"use_adaptive_{name}=True, so do not pass {name}= to step (it is adapted)."
-                )
-            if schedule is not None and value is not None:
-                raise ValueError(
-                    f"A {name}_schedule was given to the optimizer, so do not pass {name}= to "
-                    "step as well."
-                )
-            if not adaptive and schedule is None and value is None:
-                raise ValueError(
-                    f"Missing {name}: with use_adaptive_{name}=False and no {name}_schedule, "
-                    f"pass {name}= to step (or set use_adaptive_{name}=True, or give a "
-                    f"{name}_schedule)."
-                )
-
-    def _check_batch(self, state: OptimizerState, batch: Any, where: str) -> None:
-        signature = _signature(batch)
-        if signature != state.batch_signature:
-            raise ValueError(
-                f"The {where} does not have the structure/shapes/dtypes of the batch given to "
-                f"init: got ({_describe_signature(signature)}), expected "
-                f"({_describe_signature(state.batch_signature)}). K-FAC's state was built for the "
-                "init batch's shapes; call init with a batch of the new shapes (or pad/drop the "
-                "last incomplete batch)."
-            )
 
     def step(
         self,
@@ -624,13 +477,13 @@ class Optimizer(eqx.Module):
         """
         if (data_iterator is None) == (batch is None):
             raise ValueError("Pass exactly one of data_iterator= and batch= to step.")
-        self._check_hyperparameters(learning_rate, momentum, damping)
-        self._check_func_state(func_state)
+        check_hyperparameters(self, learning_rate, momentum, damping)
+        check_func_state(self, func_state)
         if not isinstance(state, OptimizerState):
             raise TypeError(f"state must be an Optimizer.State (from init), got {type(state)}.")
         hyper = tuple(None if v is None else jnp.asarray(v) for v in (learning_rate, momentum, damping))
         if data_iterator is None:
-            self._check_batch(state, batch, "batch")
+            check_batch(state, batch, "batch")
             return _jitted_step(self, params, state, rng, batch, func_state, hyper, True)
         step_int = global_step_int
         if step_int is None:
@@ -646,10 +499,10 @@ class Optimizer(eqx.Module):
             keys = _burnin_keys(rng, self.num_burnin_steps)
             for i in range(self.num_burnin_steps):
                 burnin_batch = next(data_iterator)
-                self._check_batch(state, burnin_batch, f"burn-in batch #{i}")
+                check_batch(state, burnin_batch, f"burn-in batch #{i}")
                 state = _jitted_burnin(self, params, state, keys[i], burnin_batch, func_state)
         batch = next(data_iterator)
-        self._check_batch(state, batch, "batch from data_iterator")
+        check_batch(state, batch, "batch from data_iterator")
         out = _jitted_step(self, params, state, rng, batch, func_state, hyper, False)
         if state is original:
             return out
@@ -679,13 +532,13 @@ class Optimizer(eqx.Module):
     ) -> tuple[Any, Any, Array]:
         step, seen = state.step_counter, state.data_seen
         if self.learning_rate_schedule is not None:
-            learning_rate = _call_schedule(self.learning_rate_schedule, step, seen)
+            learning_rate = call_schedule(self.learning_rate_schedule, step, seen)
         if self.momentum_schedule is not None:
-            momentum = _call_schedule(self.momentum_schedule, step, seen)
+            momentum = call_schedule(self.momentum_schedule, step, seen)
         if self.use_adaptive_damping:
             damping = state.damping
         elif self.damping_schedule is not None:
-            damping = _call_schedule(self.damping_schedule, step, seen)
+            damping = call_schedule(self.damping_schedule, step, seen)
         return learning_rate, momentum, jnp.asarray(damping)
 
     def _exact_quad_model(
@@ -695,7 +548,13 @@ class Optimizer(eqx.Module):
             factor = implicit.multiply_fisher_factor_transpose
         else:
             factor = implicit.multiply_ggn_factor_transpose
-        curvature = gram_matrix([factor(func_args, v) for v in vectors])
+        # One batched Jacobian-vector product: the forward pass is shared by all the vectors
+        # (under `vmap` only the tangents carry the batch axis).
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *vectors)
+        products = jax.vmap(lambda v: factor(func_args, v))(stacked)
+        curvature = gram_matrix(
+            [jax.tree.map(lambda x, i=i: x[i], products) for i in range(len(vectors))]
+        )
         curvature = _distributed.pmean(curvature, self._axis)
         return quadratic_model(vectors, grads, curvature)
 

@@ -1,0 +1,363 @@
+"""Per-step time and peak memory of `eqx_kfac.Optimizer` vs optax Adam (and kfac-jax) (issue 10).
+
+The model is the K-FAC paper's deep autoencoder 784-1000-500-250-30-250-500-1000-784 (tanh on
+every hidden layer, linear output logits, sigmoid cross-entropy summed over the outputs and
+averaged over the batch, `l2_reg / 2 * |θ|²` added), binary random inputs, B=512, float32. It is
+the Equinox twin of `tests/reference/kfac_jax_step_time.py` (kfac-jax 0.0.8 + Haiku), which
+`--peer-venv PATH` runs in that venv as a subprocess.
+
+    python benchmarks/step_time.py                     # table
+    python benchmarks/step_time.py --peer-venv /work/peervenv --plot breakdown.png
+    python benchmarks/step_time.py --quick             # widths / 10, a smoke run
+
+Settings (both with `inverse_update_period=5`, `curvature_ema=0.95`, `l2_reg=1e-5`, no burn-in):
+- `kfac_adaptive`: adaptive learning rate, momentum and damping (initial 1.0, interval 5),
+  `estimation_mode="ggn_curvature_prop"`;
+- `kfac_fixed`: learning rate 1e-3, momentum 0.9, damping 1e-2.
+
+Methods run alternately (A B C A B C ...), `--steps-per-round` steps each (default 5: one inverse
+update and one damping update per round); the table gives the median over rounds of the per-step
+time and ratios to Adam. Peak memory is XLA's buffer assignment for one compiled step (arguments,
+outputs and temporaries: parameters, optimizer state, batch, intermediates). The breakdown times every piece of the step alone (each jitted):
+the gradient, the curvature statistics, the preconditioning with cached inverses, the quadratic
+model's products, the inverses (divided by the period). The FLOP floor counts what a step must
+compute (2 flops per multiply-add) from the layer shapes; the achieved fraction is
+`(floor FLOPs / our time) / (Adam FLOPs / Adam time)`.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+import eqx_kfac
+from eqx_kfac import _optimizer
+
+
+AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
+L2_REG = 1e-5
+PEER_SCRIPT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "tests", "reference", "kfac_jax_step_time.py"
+)
+METHODS = ("adam", "kfac_adaptive", "kfac_fixed")
+
+
+class Autoencoder(eqx.Module):
+    layers: tuple[eqx.nn.Linear, ...]
+
+    def __init__(self, sizes, key):
+        keys = jax.random.split(key, len(sizes) - 1)
+        self.layers = tuple(
+            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)
+        )
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jnp.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def data_loss(model, batch):
+    logits = jax.vmap(model)(batch)
+    eqx_kfac.register_sigmoid_cross_entropy_loss(logits, batch)
+    return jnp.mean(jnp.sum(jax.nn.softplus(logits) - batch * logits, axis=-1))
+
+
+def loss(model, batch):
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+    return data_loss(model, batch) + 0.5 * L2_REG * sum(jnp.sum(p**2) for p in leaves)
+
+
+def make_problem(sizes, batch_size):
+    model = Autoencoder(sizes, jax.random.PRNGKey(0))
+    x = (jax.random.uniform(jax.random.PRNGKey(1), (batch_size, sizes[0])) > 0.5)
+    return model, x.astype(jnp.float32)
+
+
+def make_kfac(adaptive):
+    common = dict(
+        value_and_grad_func=eqx.filter_value_and_grad(loss),
+        l2_reg=L2_REG,
+        value_func_for_estimator=data_loss,
+        estimation_mode="ggn_curvature_prop",
+        inverse_update_period=5,
+        curvature_ema=0.95,
+        num_burnin_steps=0,
+    )
+    if adaptive:
+        return eqx_kfac.Optimizer(
+            use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
+            initial_damping=1.0, damping_adaptation_interval=5, **common,
+        ), {}
+    hyper = dict(
+        learning_rate=jnp.asarray(1e-3, jnp.float32),
+        momentum=jnp.asarray(0.9, jnp.float32),
+        damping=jnp.asarray(1e-2, jnp.float32),
+    )
+    return eqx_kfac.Optimizer(**common), hyper
+
+
+def make_runner(method, model, x):
+    """`(run, lower)`: `run(n)` takes `n` consecutive training steps of `method` (blocking at the
+    end); `lower()` lowers one step with the current arguments."""
+    if method == "adam":
+        adam = optax.adam(1e-3)
+
+        @eqx.filter_jit
+        def adam_step(model, opt_state, batch):
+            value, grads = eqx.filter_value_and_grad(loss)(model, batch)
+            updates, opt_state = adam.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), opt_state, value
+
+        carry = [model, adam.init(eqx.filter(model, eqx.is_array))]
+
+        def run(n):
+            for _ in range(n):
+                carry[0], carry[1], _ = adam_step(carry[0], carry[1], x)
+            jax.block_until_ready(carry[0])
+
+        return run, lambda: adam_step.lower(carry[0], carry[1], x)
+    opt, hyper = make_kfac(method == "kfac_adaptive")
+    carry = [model, opt.init(model, jax.random.PRNGKey(3), x), jax.random.PRNGKey(2)]
+
+    def run(n):
+        for _ in range(n):
+            carry[2], key = jax.random.split(carry[2])
+            carry[0], carry[1], _ = opt.step(carry[0], carry[1], key, batch=x, **hyper)
+        jax.block_until_ready(carry[0])
+
+    def lower():
+        args = tuple(hyper.get(k) for k in ("learning_rate", "momentum", "damping"))
+        return _optimizer._jitted_step.lower(opt, carry[0], carry[1], carry[2], x, None, args, True)
+
+    return run, lower
+
+
+# --- FLOP floor ---------------------------------------------------------------------------
+
+
+def flop_floor(sizes, batch_size, adaptive, period=5):
+    """Flops per step (2 per multiply-add) of the parts a K-FAC step cannot avoid."""
+    shapes = list(zip(sizes[:-1], sizes[1:]))
+    one_pass = sum(2 * batch_size * i * o for i, o in shapes)
+    parts = {
+        "gradient": 3 * one_pass,
+        "curvature_vectors": one_pass,
+        "factor_statistics": sum(2 * batch_size * ((i + 1) ** 2 + o**2) for i, o in shapes),
+        "preconditioning": sum(2 * (o * o * (i + 1) + o * (i + 1) ** 2) for i, o in shapes),
+        # A damped symmetric inverse (Cholesky and triangular solves) costs about n³ flops.
+        "inverses": sum((i + 1) ** 3 + o**3 for i, o in shapes) / period,
+    }
+    if adaptive:
+        parts["quadratic_model"] = 2 * 2 * one_pass
+        parts["damping_update"] = one_pass / period
+    return parts
+
+
+# --- cost breakdown -----------------------------------------------------------------------
+
+
+def breakdown(model, x, repeats):
+    """Median seconds of each piece of an adaptive step, each jitted and timed alone."""
+    opt, _ = make_kfac(True)
+    state = opt.init(model, jax.random.PRNGKey(3), x)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    key = jax.random.PRNGKey(4)
+    weight = jnp.asarray(1.0 + L2_REG, jnp.float32)
+
+    def estimators():
+        return opt.estimators((model, x))
+
+    # The batch is an argument (not a closed-over constant XLA would fold).
+    @eqx.filter_jit
+    def gradient(model, x):
+        return eqx.filter_value_and_grad(loss)(model, x)
+
+    @eqx.filter_jit
+    def statistics_(model, s, x):
+        return estimators()[0].update_curvature_matrix_estimate(
+            s, 0.95, 1.0, x.shape[0], key, (model, x)
+        )
+
+    @eqx.filter_jit
+    def inverses(s):
+        return estimators()[0].update_cache(s, weight, None, -1)
+
+    @eqx.filter_jit
+    def precondition(s, g):
+        return estimators()[0].multiply_matpower(s, g, weight, -1, False, True)
+
+    @eqx.filter_jit
+    def quad_model(model, vectors, g, x):
+        return opt._exact_quad_model(estimators()[1], (model, x), vectors, g)
+
+    s = statistics_(model, state.estimator_state, x)
+    s = inverses(s)
+    g = gradient(model, x)[1]
+    vectors = (g, params)
+    pieces = {
+        "gradient": lambda: gradient(model, x),
+        "curvature_statistics": lambda: statistics_(model, s, x),
+        "preconditioning": lambda: precondition(s, g),
+        "quadratic_model": lambda: quad_model(model, vectors, g, x),
+        "inverses": lambda: inverses(s),
+    }
+    times = {}
+    for name, fn in pieces.items():
+        jax.block_until_ready(fn())
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            samples.append(time.perf_counter() - start)
+        times[name] = statistics.median(samples)
+    times["inverses"] /= opt.inverse_update_period
+    return times
+
+
+# --- peak memory ---------------------------------------------------------------------------
+
+
+def step_memory(lower):
+    """Bytes a compiled step holds at once: arguments + outputs + temporaries - aliased.
+
+    This is XLA's static buffer assignment for the step (parameters, optimizer state, batch and
+    every intermediate). The process's resident set size is no use on CPU: the runtime and the
+    compiler dominate it, so it comes out the same for every method.
+    """
+    stats = lower().compile().compiled.memory_analysis()
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+# --- kfac-jax -------------------------------------------------------------------------------
+
+
+def run_peer(venv, quick, rounds, steps, batch_size):
+    cmd = [os.path.join(venv, "bin", "python"), PEER_SCRIPT, "--rounds", str(rounds),
+           "--steps-per-round", str(steps), "--batch-size", str(batch_size)]
+    if quick:
+        cmd.append("--quick")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    times = {}
+    for line in out.splitlines():
+        match = re.match(r"^(adam|kfac_adaptive|kfac_fixed)\s+([0-9.]+)\s+([0-9.]+)$", line.strip())
+        if match:
+            times[match.group(1)] = float(match.group(2)) / 1e3
+    if set(times) != set(METHODS):
+        raise RuntimeError(f"Could not parse the kfac-jax table:\n{out}")
+    return times
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps-per-round", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--quick", action="store_true", help="widths / 10, 2 rounds")
+    parser.add_argument("--peer-venv", default=None, help="a venv with kfac-jax 0.0.8")
+    parser.add_argument("--peer-repeats", type=int, default=2,
+                        help="kfac-jax runs, alternated with blocks of our rounds")
+    parser.add_argument("--no-memory", action="store_true", help="skip the step-memory analysis")
+    parser.add_argument("--breakdown-repeats", type=int, default=10)
+    parser.add_argument("--plot", default=None, help="write a breakdown bar chart (PNG) here")
+    args = parser.parse_args()
+    sizes = AUTOENCODER
+    rounds = args.rounds
+    if args.quick:
+        sizes = tuple(max(2, s // 10) for s in sizes)
+        rounds = min(rounds, 2)
+
+    model, x = make_problem(sizes, args.batch_size)
+    runners, lowerers = {}, {}
+    for m in METHODS:
+        runners[m], lowerers[m] = make_runner(m, model, x)
+    for run in runners.values():
+        run(2 * args.steps_per_round)
+
+    blocks = args.peer_repeats if args.peer_venv else 1
+    ours = {m: [] for m in METHODS}
+    peer = {m: [] for m in METHODS}
+    for b in range(blocks):
+        for _ in range(max(1, rounds // blocks)):
+            for m, run in runners.items():
+                start = time.perf_counter()
+                run(args.steps_per_round)
+                ours[m].append((time.perf_counter() - start) / args.steps_per_round)
+        if args.peer_venv:
+            for m, t in run_peer(args.peer_venv, args.quick, max(2, rounds // blocks),
+                                 args.steps_per_round, args.batch_size).items():
+                peer[m].append(t)
+    med = {m: statistics.median(ts) for m, ts in ours.items()}
+    peer_med = {m: statistics.median(ts) for m, ts in peer.items() if ts}
+
+    floors = {m: flop_floor(sizes, args.batch_size, m == "kfac_adaptive") for m in METHODS[1:]}
+    adam_flops = 3 * sum(2 * args.batch_size * i * o for i, o in zip(sizes[:-1], sizes[1:]))
+    memory = {}
+    if not args.no_memory:
+        memory = {m: step_memory(lowerers[m]) for m in METHODS}
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores); sizes "
+          f"{sizes}; B={args.batch_size}; {len(ours['adam'])} rounds x {args.steps_per_round} "
+          f"steps, alternated")
+    header = f"{'method':<15}{'ms/step':>9}{'x Adam':>8}{'floor x':>9}{'of floor':>9}"
+    if peer_med:
+        header += f"{'kfac-jax ms':>12}{'x Adam':>8}{'ours/kfac-jax':>14}"
+    if memory:
+        header += f"{'step MiB':>10}{'x Adam':>8}"
+    print(header)
+    for m in METHODS:
+        floor_ratio = 1.0 if m == "adam" else sum(floors[m].values()) / adam_flops
+        ratio = med[m] / med["adam"]
+        line = f"{m:<15}{1e3 * med[m]:>9.2f}{ratio:>8.2f}{floor_ratio:>9.2f}{floor_ratio / ratio:>9.2f}"
+        if peer_med:
+            peer_ratio = peer_med[m] / peer_med["adam"]
+            line += f"{1e3 * peer_med[m]:>12.2f}{peer_ratio:>8.2f}{med[m] / peer_med[m]:>14.2f}"
+        if memory:
+            line += f"{memory[m] / 2**20:>10.0f}{memory[m] / memory['adam']:>8.2f}"
+        print(line)
+
+    print("\nFLOP floor per step (GFLOP):")
+    for m in METHODS[1:]:
+        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in floors[m].items())
+        print(f"  {m}: {sum(floors[m].values()) / 1e9:.1f} ({parts}); Adam {adam_flops / 1e9:.1f}")
+
+    pieces = breakdown(model, x, args.breakdown_repeats)
+    print("\nBreakdown of an adaptive step (each piece jitted and timed alone, median ms):")
+    total = med["kfac_adaptive"]
+    for name, t in pieces.items():
+        print(f"  {name:<22}{1e3 * t:>9.2f}")
+    rest = total - sum(pieces.values())
+    print(f"  {'rest (step - pieces)':<22}{1e3 * rest:>9.2f}")
+    print(f"  {'whole step':<22}{1e3 * total:>9.2f}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = list(pieces) + ["rest"]
+        values = [1e3 * pieces[n] for n in pieces] + [1e3 * max(rest, 0.0)]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.barh(names, values)
+        ax.axvline(1e3 * med["adam"], color="k", linestyle="--", label="Adam step")
+        ax.set_xlabel("ms per step")
+        ax.set_title("K-FAC adaptive step: cost breakdown")
+        ax.invert_yaxis()
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
