@@ -21,21 +21,10 @@ import jax.numpy as jnp
 from eqx_kfac._estimators import BlockDiagonalCurvature
 from eqx_kfac._losses import register_sigmoid_cross_entropy_loss
 
+from _tanh_mlp import TanhMLP
+
 
 AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
-
-
-class Autoencoder(eqx.Module):
-    layers: tuple[eqx.nn.Linear, ...]
-
-    def __init__(self, sizes, key):
-        keys = jax.random.split(key, len(sizes) - 1)
-        self.layers = tuple(eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys))
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = jnp.tanh(layer(x))
-        return self.layers[-1](x)
 
 
 def loss_fn(model, x):
@@ -67,7 +56,7 @@ def main():
         rounds = min(rounds, 3)
 
     key = jax.random.key(0)
-    model = Autoencoder(sizes, key)
+    model = TanhMLP(sizes, key)
     x = jax.random.uniform(jax.random.key(1), (args.batch_size, sizes[0]), jnp.float32)
     x = (x > 0.5).astype(jnp.float32)
     params, static = eqx.partition(model, eqx.is_inexact_array)

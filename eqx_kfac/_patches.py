@@ -14,7 +14,7 @@ it is the reference the tests compare against.
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -194,6 +194,154 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def _moments_by_offsets(
+    inputs: Float[Array, "..."],
+    geometry: _Geometry,
+    weights: Float[Array, "..."],
+    precision: lax.Precision | None,
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """`patches_moments` on validated arguments, `inputs` and `weights` in the compute dtype."""
+    n = geometry.num_spatial
+    # Channels last, spatial in order: `(batch, *spatial, channels)`.
+    x = jnp.transpose(inputs, (geometry.lhs_spec[0], *geometry.lhs_spec[2:], geometry.lhs_spec[1]))
+    batch, channels = x.shape[0], x.shape[-1]
+    # Dilate and pad at once; then crop to the extent the output locations reach, so that the
+    # convolution below yields exactly one value per kernel offset.
+    spatial_config = [
+        (lo, hi, d - 1) for (lo, hi), d in zip(geometry.padding, geometry.inputs_dilation)
+    ]
+    x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), *spatial_config, (0, 0, 0)])
+    window = tuple((o - 1) * s + 1 for o, s in zip(geometry.output_spatial, geometry.strides))
+    extent = tuple(
+        w + (k - 1) * d for w, k, d in zip(window, geometry.kernel, geometry.kernel_dilation)
+    )
+    x = x[(slice(None), *(slice(0, e) for e in extent), slice(None))]
+    weights = weights[..., None]
+    spatial_axes = tuple(range(1, n + 1))
+
+    if geometry.per_channel:
+        # Channel-major features `(channels * batch)` in `channels` groups: each group contracts
+        # the batch of one channel only.
+        lhs = jnp.moveaxis(x, -1, 0).reshape(1, channels * batch, *extent)
+        standard = tuple(range(n + 2))
+        dnums = lax.ConvDimensionNumbers(standard, standard, standard)
+    else:
+        # Batch as the contracted feature axis, channels of the full input as the conv batch.
+        lhs = x
+        layout = (n + 1, 0, *spatial_axes)
+        dnums = lax.ConvDimensionNumbers(layout, layout, layout)
+
+    def one_offset(offset):
+        zero = jnp.zeros((), offset.dtype)
+        start = (zero, *(offset * np.asarray(geometry.kernel_dilation, np.int32)), zero)
+        piece = lax.dynamic_slice(x, start, (batch, *window, channels))
+        piece = piece[(slice(None), *(slice(None, None, s) for s in geometry.strides), slice(None))]
+        piece = piece * weights
+        first = jnp.sum(piece, axis=(0, *spatial_axes))
+        if geometry.per_channel:
+            rhs = jnp.moveaxis(piece, -1, 0)
+            feature_groups = channels
+        else:
+            rhs = piece
+            feature_groups = 1
+        # out[c, *offset', c'] = Σ_{n, l} piece[n, l, c] x[n, l·stride + offset'·dilation, c'].
+        second = lax.conv_general_dilated(
+            lhs,
+            rhs,
+            window_strides=geometry.kernel_dilation,
+            padding="VALID",
+            rhs_dilation=geometry.strides,
+            dimension_numbers=dnums,
+            feature_group_count=feature_groups,
+            precision=precision,
+        )
+        if geometry.per_channel:
+            second = jnp.moveaxis(second[0], 0, -1)
+        return second, first
+
+    offsets = jnp.asarray(list(np.ndindex(*geometry.kernel)), dtype=jnp.int32)
+    second, first = lax.map(one_offset, offsets)
+    if geometry.per_channel:
+        second = second.reshape(geometry.kernel + geometry.kernel + (channels,))
+    else:
+        second = second.reshape(geometry.kernel + (channels,) + geometry.kernel + (channels,))
+    return second, first.reshape(geometry.kernel + (channels,))
+
+
+def _moments_from_patches(
+    inputs: Float[Array, "..."],
+    geometry: _Geometry,
+    weights: Float[Array, "..."],
+    precision: lax.Precision | None,
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """`patches_moments_explicit` on validated arguments (see `_moments_by_offsets`)."""
+    n = geometry.num_spatial
+    batch, channels = inputs.shape[geometry.lhs_spec[0]], inputs.shape[geometry.lhs_spec[1]]
+    # Output in the inputs' layout; the filter layout only matters to the identity kernel
+    # `conv_general_dilated_patches` builds, so use the plain `OI<spatial>`.
+    dnums = lax.ConvDimensionNumbers(geometry.lhs_spec, tuple(range(n + 2)), geometry.lhs_spec)
+    patches = lax.conv_general_dilated_patches(
+        inputs,
+        filter_shape=geometry.kernel,
+        window_strides=geometry.strides,
+        padding=geometry.padding,
+        lhs_dilation=geometry.inputs_dilation,
+        rhs_dilation=geometry.kernel_dilation,
+        dimension_numbers=dnums,
+        precision=precision,
+    )
+    patches = jnp.transpose(
+        patches, (geometry.lhs_spec[0], *geometry.lhs_spec[2:], geometry.lhs_spec[1])
+    )
+    kernel_size = math.prod(geometry.kernel)
+    # The patch features are ordered channel-major: `(channels, *kernel)`.
+    patches = patches.reshape(-1, channels, kernel_size).transpose(0, 2, 1)
+    weights = jnp.broadcast_to(weights, (batch, *geometry.output_spatial)).reshape(-1, 1, 1)
+    weighted = weights * patches
+    first = jnp.sum(weighted, axis=0).reshape(geometry.kernel + (channels,))
+    if geometry.per_channel:
+        second = jnp.einsum("lkc,ljc->kjc", weighted, patches, precision=precision)
+        return second.reshape(geometry.kernel + geometry.kernel + (channels,)), first
+    flat = patches.reshape(patches.shape[0], kernel_size * channels)
+    second = weighted.reshape(flat.shape).T @ flat
+    shape = geometry.kernel + (channels,)
+    return second.reshape(shape + shape), first
+
+
+_MomentsMethod = Callable[[Array, _Geometry, Array, lax.Precision | None], tuple[Array, Array]]
+
+
+def _moments(
+    method: _MomentsMethod,
+    inputs: Float[Array, "..."],
+    kernel_spatial_shape: IntOrInts,
+    strides: IntOrInts,
+    padding: Padding,
+    data_format: str | None,
+    feature_group_count: int,
+    precision: lax.Precision | None,
+    weighting_array: Float[Array, "..."] | None,
+    dimension_numbers: DimensionNumbers | None,
+    inputs_dilation: IntOrInts | None,
+    kernel_dilation: IntOrInts | None,
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """Validates the arguments shared by both public functions, then runs `method` on them."""
+    geometry = _geometry(
+        tuple(inputs.shape),
+        kernel_spatial_shape,
+        strides,
+        padding,
+        data_format,
+        dimension_numbers,
+        inputs_dilation,
+        kernel_dilation,
+        feature_group_count,
+    )
+    dtype = _compute_dtype(inputs.dtype)
+    weights = _weights(weighting_array, inputs.shape[geometry.lhs_spec[0]], geometry, dtype)
+    return method(inputs.astype(dtype), geometry, weights, precision)
+
+
 def patches_moments(
     inputs: Float[Array, "..."],
     kernel_spatial_shape: IntOrInts,
@@ -255,84 +403,11 @@ def patches_moments(
 
     The pair `(second, first)`, in float32 or the inputs' dtype if wider.
     """
-    geometry = _geometry(
-        tuple(inputs.shape),
-        kernel_spatial_shape,
-        strides,
-        padding,
-        data_format,
-        dimension_numbers,
-        inputs_dilation,
+    return _moments(
+        _moments_by_offsets, inputs, kernel_spatial_shape, strides, padding, data_format,
+        feature_group_count, precision, weighting_array, dimension_numbers, inputs_dilation,
         kernel_dilation,
-        feature_group_count,
     )
-    n = geometry.num_spatial
-    dtype = _compute_dtype(inputs.dtype)
-    # Channels last, spatial in order: `(batch, *spatial, channels)`.
-    x = jnp.transpose(inputs, (geometry.lhs_spec[0], *geometry.lhs_spec[2:], geometry.lhs_spec[1]))
-    x = x.astype(dtype)
-    batch, channels = x.shape[0], x.shape[-1]
-    # Dilate and pad at once; then crop to the extent the output locations reach, so that the
-    # convolution below yields exactly one value per kernel offset.
-    spatial_config = [
-        (lo, hi, d - 1) for (lo, hi), d in zip(geometry.padding, geometry.inputs_dilation)
-    ]
-    x = lax.pad(x, jnp.zeros((), dtype), [(0, 0, 0), *spatial_config, (0, 0, 0)])
-    window = tuple((o - 1) * s + 1 for o, s in zip(geometry.output_spatial, geometry.strides))
-    extent = tuple(
-        w + (k - 1) * d for w, k, d in zip(window, geometry.kernel, geometry.kernel_dilation)
-    )
-    x = x[(slice(None), *(slice(0, e) for e in extent), slice(None))]
-    weights = _weights(weighting_array, batch, geometry, dtype)[..., None]
-    spatial_axes = tuple(range(1, n + 1))
-
-    if geometry.per_channel:
-        # Channel-major features `(channels * batch)` in `channels` groups: each group contracts
-        # the batch of one channel only.
-        lhs = jnp.moveaxis(x, -1, 0).reshape(1, channels * batch, *extent)
-        standard = tuple(range(n + 2))
-        dnums = lax.ConvDimensionNumbers(standard, standard, standard)
-    else:
-        # Batch as the contracted feature axis, channels of the full input as the conv batch.
-        lhs = x
-        layout = (n + 1, 0, *spatial_axes)
-        dnums = lax.ConvDimensionNumbers(layout, layout, layout)
-
-    def one_offset(offset):
-        zero = jnp.zeros((), offset.dtype)
-        start = (zero, *(offset * np.asarray(geometry.kernel_dilation, np.int32)), zero)
-        piece = lax.dynamic_slice(x, start, (batch, *window, channels))
-        piece = piece[(slice(None), *(slice(None, None, s) for s in geometry.strides), slice(None))]
-        piece = piece * weights
-        first = jnp.sum(piece, axis=(0, *spatial_axes))
-        if geometry.per_channel:
-            rhs = jnp.moveaxis(piece, -1, 0)
-            feature_groups = channels
-        else:
-            rhs = piece
-            feature_groups = 1
-        # out[c, *offset', c'] = Σ_{n, l} piece[n, l, c] x[n, l·stride + offset'·dilation, c'].
-        second = lax.conv_general_dilated(
-            lhs,
-            rhs,
-            window_strides=geometry.kernel_dilation,
-            padding="VALID",
-            rhs_dilation=geometry.strides,
-            dimension_numbers=dnums,
-            feature_group_count=feature_groups,
-            precision=precision,
-        )
-        if geometry.per_channel:
-            second = jnp.moveaxis(second[0], 0, -1)
-        return second, first
-
-    offsets = jnp.asarray(list(np.ndindex(*geometry.kernel)), dtype=jnp.int32)
-    second, first = lax.map(one_offset, offsets)
-    if geometry.per_channel:
-        second = second.reshape(geometry.kernel + geometry.kernel + (channels,))
-    else:
-        second = second.reshape(geometry.kernel + (channels,) + geometry.kernel + (channels,))
-    return second, first.reshape(geometry.kernel + (channels,))
 
 
 def patches_moments_explicit(
@@ -362,47 +437,8 @@ def patches_moments_explicit(
 
     The pair `(second, first)`, shaped as for [`eqx_kfac.patches_moments`][].
     """
-    geometry = _geometry(
-        tuple(inputs.shape),
-        kernel_spatial_shape,
-        strides,
-        padding,
-        data_format,
-        dimension_numbers,
-        inputs_dilation,
+    return _moments(
+        _moments_from_patches, inputs, kernel_spatial_shape, strides, padding, data_format,
+        feature_group_count, precision, weighting_array, dimension_numbers, inputs_dilation,
         kernel_dilation,
-        feature_group_count,
     )
-    n = geometry.num_spatial
-    dtype = _compute_dtype(inputs.dtype)
-    batch, channels = inputs.shape[geometry.lhs_spec[0]], inputs.shape[geometry.lhs_spec[1]]
-    # Output in the inputs' layout; the filter layout only matters to the identity kernel
-    # `conv_general_dilated_patches` builds, so use the plain `OI<spatial>`.
-    dnums = lax.ConvDimensionNumbers(geometry.lhs_spec, tuple(range(n + 2)), geometry.lhs_spec)
-    patches = lax.conv_general_dilated_patches(
-        inputs.astype(dtype),
-        filter_shape=geometry.kernel,
-        window_strides=geometry.strides,
-        padding=geometry.padding,
-        lhs_dilation=geometry.inputs_dilation,
-        rhs_dilation=geometry.kernel_dilation,
-        dimension_numbers=dnums,
-        precision=precision,
-    )
-    patches = jnp.transpose(
-        patches, (geometry.lhs_spec[0], *geometry.lhs_spec[2:], geometry.lhs_spec[1])
-    )
-    kernel_size = math.prod(geometry.kernel)
-    # The patch features are ordered channel-major: `(channels, *kernel)`.
-    patches = patches.reshape(-1, channels, kernel_size).transpose(0, 2, 1)
-    weights = _weights(weighting_array, batch, geometry, dtype)
-    weights = jnp.broadcast_to(weights, (batch, *geometry.output_spatial)).reshape(-1, 1, 1)
-    weighted = weights * patches
-    first = jnp.sum(weighted, axis=0).reshape(geometry.kernel + (channels,))
-    if geometry.per_channel:
-        second = jnp.einsum("lkc,ljc->kjc", weighted, patches, precision=precision)
-        return second.reshape(geometry.kernel + geometry.kernel + (channels,)), first
-    flat = patches.reshape(patches.shape[0], kernel_size * channels)
-    second = weighted.reshape(flat.shape).T @ flat
-    shape = geometry.kernel + (channels,)
-    return second.reshape(shape + shape), first
