@@ -28,7 +28,7 @@ class _Net(eqx.Module):
     def __init__(self, key):
         k1, k2 = jax.random.split(key)
         self.lin1 = eqx.nn.Linear(3, 4, key=k1)
-        self.norm = eqx.nn.BatchNorm(4, axis_name="batch")
+        self.norm = eqx.nn.BatchNorm(4, axis_name="batch", mode="ema")
         self.drop = eqx.nn.Dropout(0.3)
         self.lin2 = eqx.nn.Linear(4, 3, key=k2)
 
