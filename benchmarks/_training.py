@@ -20,6 +20,8 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+import eqx_kfac
+
 from _problems import L2_REG, Problem
 
 
@@ -81,6 +83,7 @@ def _train(
     model: Any,
     opt_state: Any,
     stop_below: float | None = None,
+    dense_block: str = "kfac",
 ) -> Run:
     """Runs `step_fn(model, opt_state, batch) -> (model, opt_state, loss)` (already jitted)."""
     label = _label(optimizer, learning_rate)
@@ -161,7 +164,15 @@ def train_optax(
     return _train(problem, optimizer, learning_rate, seed, steps, step, model, opt_state)
 
 
-def make_kfac(problem: Problem, estimation_mode: str, num_burnin_steps: int) -> Any:
+DENSE_BLOCKS = {
+    "kfac": eqx_kfac.DenseTwoKroneckerFactored,
+    "ekfac": eqx_kfac.DenseEigenbasisKFAC,
+}
+
+
+def make_kfac(
+    problem: Problem, estimation_mode: str, num_burnin_steps: int, dense_block: str = "kfac"
+) -> Any:
     """K-FAC with adaptive learning rate, momentum and damping (initial damping 1.0).
 
     **Arguments:**
@@ -169,23 +180,13 @@ def make_kfac(problem: Problem, estimation_mode: str, num_burnin_steps: int) -> 
     - `problem`: the problem (its objective is trained, its data loss gives the curvature).
     - `estimation_mode`: the curvature estimation mode, e.g. `"ggn_curvature_prop"`.
     - `num_burnin_steps`: curvature updates on the first batch before the first step.
+    - `dense_block`: `"kfac"` (Kronecker factors) or `"ekfac"` (eigenvalue-corrected K-FAC) for
+      the dense layers.
 
     **Returns:**
 
     An `eqx_kfac.Optimizer`.
-
-    **Raises:**
-
-    `RuntimeError` when this installation of eqx_kfac has no `Optimizer`.
     """
-    import eqx_kfac
-
-    if not hasattr(eqx_kfac, "Optimizer"):
-        raise RuntimeError(
-            "eqx_kfac.Optimizer is not available in this installation of eqx_kfac, so the K-FAC "
-            "runs cannot be made (the Adam and SGD results above are complete). Install a "
-            "version of eqx_kfac that exports Optimizer, or run with --optimizers adam,sgd."
-        )
     return eqx_kfac.Optimizer(
         eqx.filter_value_and_grad(problem.loss),
         l2_reg=L2_REG,
@@ -198,6 +199,7 @@ def make_kfac(problem: Problem, estimation_mode: str, num_burnin_steps: int) -> 
         inverse_update_period=5,
         damping_adaptation_interval=5,
         num_burnin_steps=num_burnin_steps,
+        layer_tag_to_block_ctor={"dense": DENSE_BLOCKS[dense_block]},
     )
 
 
@@ -208,6 +210,7 @@ def train_kfac(
     estimation_mode: str = "ggn_curvature_prop",
     num_burnin_steps: int = 10,
     stop_below: float | None = None,
+    dense_block: str = "kfac",
 ) -> Run:
     """Trains `problem` with K-FAC (adaptive learning rate, momentum and damping).
 
@@ -216,14 +219,14 @@ def train_kfac(
     - `problem`: the problem.
     - `seed`: the seed of the model initialisation and of K-FAC's random keys.
     - `steps`: the largest number of steps.
-    - `estimation_mode`, `num_burnin_steps`: as for `make_kfac`.
+    - `estimation_mode`, `num_burnin_steps`, `dense_block`: as for `make_kfac`.
     - `stop_below`: stop as soon as the objective is at most this (`None`: run all steps).
 
     **Returns:**
 
     The `Run`.
     """
-    kfac = make_kfac(problem, estimation_mode, num_burnin_steps)
+    kfac = make_kfac(problem, estimation_mode, num_burnin_steps, dense_block)
     model = problem.make_model(jax.random.key(seed))
     init_key, step_key = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1))
     state = (kfac.init(model, init_key, problem.batch), step_key)
