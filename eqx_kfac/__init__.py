@@ -67,8 +67,6 @@ from ._losses import (
 )
 from ._operators import (
     BlockDiagonalOperator as BlockDiagonalOperator,
-    eigenvalues as eigenvalues,
-    frobenius_norm as frobenius_norm,
     kronecker_damped_matpower as kronecker_damped_matpower,
     kronecker_damped_solve as kronecker_damped_solve,
     kronecker_eigh as kronecker_eigh,
@@ -76,9 +74,13 @@ from ._operators import (
     KroneckerEigh as KroneckerEigh,
     KroneckerOperator as KroneckerOperator,
     KroneckerPiAdjustedSolver as KroneckerPiAdjustedSolver,
-    logdet as logdet,
     pi_adjusted_damped_factors as pi_adjusted_damped_factors,
     pi_adjusted_inverse as pi_adjusted_inverse,
+)
+from ._spectral import (
+    eigenvalues as eigenvalues,
+    frobenius_norm as frobenius_norm,
+    logdet as logdet,
     trace as trace,
 )
 from ._optimizer import Optimizer as Optimizer, OptimizerState as OptimizerState

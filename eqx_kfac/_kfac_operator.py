@@ -19,7 +19,8 @@ from jaxtyping import Array, Float, Inexact, PRNGKeyArray, PyTree
 from ._blocks.base import CurvatureBlock, WeightedMovingAverage
 from ._blocks.kronecker import KroneckerFactored
 from ._estimators import BlockDiagonalCurvature, EstimatorState, default_batch_size_extractor
-from ._operators import eigenvalues, frobenius_norm, kronecker_eigh, KroneckerOperator, logdet, trace
+from ._operators import kronecker_eigh, KroneckerOperator
+from ._spectral import eigenvalues, frobenius_norm, logdet, trace
 
 
 FISHER_TYPES: dict[str, str] = {

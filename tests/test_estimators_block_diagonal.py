@@ -12,7 +12,7 @@ from eqx_kfac._blocks import DenseDiagonal, DenseFull, DenseTwoKroneckerFactored
 from eqx_kfac._estimators import BlockDiagonalCurvature
 from eqx_kfac._losses import register_softmax_cross_entropy_loss
 from eqx_kfac._tags import register_generic
-from eqx_kfac._operators import eigenvalues as operator_eigenvalues, trace as operator_trace
+from eqx_kfac._spectral import eigenvalues as operator_eigenvalues, trace as operator_trace
 
 from models import (
     block_slices,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from eqx_kfac import _operators as O
+from eqx_kfac import _operators as O, _spectral as S
 
 
 PSD = lx.positive_semidefinite_tag
@@ -369,26 +369,26 @@ def test_spectral_functions_match_numpy(seed, ns, damping):
     op, factors = _kron_op(rng, ns)
     dense = _dense_kron(factors)
     # Eigenvalues in [1e-6, 1e3]: logdet is a sum of well-conditioned logs.
-    np.testing.assert_allclose(O.trace(op), np.trace(dense), rtol=1e-10)
-    np.testing.assert_allclose(O.frobenius_norm(op), np.linalg.norm(dense), rtol=1e-10)
-    np.testing.assert_allclose(O.logdet(op), np.linalg.slogdet(dense)[1], rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(np.sort(O.eigenvalues(op)), np.linalg.eigvalsh(dense), rtol=1e-9, atol=1e-12)
-    kron_order = O.eigenvalues(op)
+    np.testing.assert_allclose(S.trace(op), np.trace(dense), rtol=1e-10)
+    np.testing.assert_allclose(S.frobenius_norm(op), np.linalg.norm(dense), rtol=1e-10)
+    np.testing.assert_allclose(S.logdet(op), np.linalg.slogdet(dense)[1], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(np.sort(S.eigenvalues(op)), np.linalg.eigvalsh(dense), rtol=1e-9, atol=1e-12)
+    kron_order = S.eigenvalues(op)
     factor_eigs = [np.linalg.eigvalsh(f) for f in factors]
     np.testing.assert_allclose(kron_order, _dense_kron_vectors(factor_eigs), rtol=1e-9, atol=1e-12)
     damped = op + damping * lx.IdentityLinearOperator(op.in_structure())
     damped_dense = dense + damping * np.eye(dense.shape[0])
-    np.testing.assert_allclose(O.trace(damped), np.trace(damped_dense), rtol=1e-10)
-    np.testing.assert_allclose(O.logdet(damped), np.linalg.slogdet(damped_dense)[1], rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(np.sort(O.eigenvalues(damped)), np.linalg.eigvalsh(damped_dense), rtol=1e-9)
+    np.testing.assert_allclose(S.trace(damped), np.trace(damped_dense), rtol=1e-10)
+    np.testing.assert_allclose(S.logdet(damped), np.linalg.slogdet(damped_dense)[1], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(np.sort(S.eigenvalues(damped)), np.linalg.eigvalsh(damped_dense), rtol=1e-9)
     other = lx.MatrixLinearOperator(jnp.asarray(_psd(rng, 3)), PSD)
     block = O.BlockDiagonalOperator([op, other])
     block_dense = _block_diag([dense, np.asarray(other.matrix)])
-    np.testing.assert_allclose(O.trace(block), np.trace(block_dense), rtol=1e-10)
-    np.testing.assert_allclose(O.frobenius_norm(block), np.linalg.norm(block_dense), rtol=1e-10)
-    np.testing.assert_allclose(O.logdet(block), np.linalg.slogdet(block_dense)[1], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(S.trace(block), np.trace(block_dense), rtol=1e-10)
+    np.testing.assert_allclose(S.frobenius_norm(block), np.linalg.norm(block_dense), rtol=1e-10)
+    np.testing.assert_allclose(S.logdet(block), np.linalg.slogdet(block_dense)[1], rtol=1e-10, atol=1e-10)
     expected = np.concatenate([kron_order, np.linalg.eigvalsh(other.matrix)])
-    np.testing.assert_allclose(O.eigenvalues(block), expected, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(S.eigenvalues(block), expected, rtol=1e-9, atol=1e-12)
 
 
 def _dense_kron_vectors(vectors):
@@ -397,15 +397,15 @@ def _dense_kron_vectors(vectors):
 
 def test_spectral_functions_on_empty_and_untagged_operators():
     empty = O.KroneckerOperator([jnp.zeros((0, 0)), jnp.eye(2)], PSD)
-    assert O.trace(empty) == 0 and O.logdet(empty) == 0 and O.frobenius_norm(empty) == 0
-    assert O.eigenvalues(empty).shape == (0,)
+    assert S.trace(empty) == 0 and S.logdet(empty) == 0 and S.frobenius_norm(empty) == 0
+    assert S.eigenvalues(empty).shape == (0,)
     plain = lx.MatrixLinearOperator(jnp.eye(2))
     with pytest.raises(ValueError, match="positive_semidefinite_tag"):
-        O.logdet(plain)
+        S.logdet(plain)
     with pytest.raises(ValueError, match="symmetric_tag"):
-        O.eigenvalues(O.KroneckerOperator([jnp.eye(2)]))
+        S.eigenvalues(O.KroneckerOperator([jnp.eye(2)]))
     # Dense fallbacks for other lineax operators.
     m = jnp.asarray(_psd(np.random.default_rng(4), 3))
-    assert np.isclose(O.trace(lx.MatrixLinearOperator(m) * 2.0), 2 * np.trace(m))
-    np.testing.assert_allclose(O.logdet(lx.MatrixLinearOperator(m, PSD)), np.linalg.slogdet(m)[1], rtol=1e-10)
-    np.testing.assert_allclose(O.frobenius_norm(lx.MatrixLinearOperator(m)), np.linalg.norm(m), rtol=1e-12)
+    assert np.isclose(S.trace(lx.MatrixLinearOperator(m) * 2.0), 2 * np.trace(m))
+    np.testing.assert_allclose(S.logdet(lx.MatrixLinearOperator(m, PSD)), np.linalg.slogdet(m)[1], rtol=1e-10)
+    np.testing.assert_allclose(S.frobenius_norm(lx.MatrixLinearOperator(m)), np.linalg.norm(m), rtol=1e-12)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Inexact, PyTree
 
-from .._operators import eigenvalues, frobenius_norm, logdet, trace
+from .._spectral import eigenvalues, frobenius_norm, logdet, trace
 
 
 class ParameterSpaceOperator(lx.AbstractLinearOperator):
