@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import optax
 
 import eqx_kfac
-from eqx_kfac import _optimizer
+from eqx_kfac import _optimizer_compiled
 
 
 AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
@@ -75,6 +75,11 @@ def loss(model, batch):
     return data_loss(model, batch) + 0.5 * L2_REG * sum(jnp.sum(p**2) for p in leaves)
 
 
+def _copy(tree):
+    """A copy of `tree`'s arrays (each runner donates its own parameters)."""
+    return jax.tree.map(lambda a: jnp.copy(a) if eqx.is_array(a) else a, tree)
+
+
 def make_problem(sizes, batch_size):
     model = Autoencoder(sizes, jax.random.PRNGKey(0))
     x = (jax.random.uniform(jax.random.PRNGKey(1), (batch_size, sizes[0])) > 0.5)
@@ -90,6 +95,9 @@ def make_kfac(adaptive):
         inverse_update_period=5,
         curvature_ema=0.95,
         num_burnin_steps=0,
+        # The training loop replaces both with the step's outputs (kfac-jax donates them too).
+        donate_parameters=True,
+        donate_optimizer_state=True,
     )
     if adaptive:
         return eqx_kfac.Optimizer(
@@ -110,22 +118,23 @@ def make_runner(method, model, x):
     if method == "adam":
         adam = optax.adam(1e-3)
 
-        @eqx.filter_jit
-        def adam_step(model, opt_state, batch):
+        # Model and optimizer state donated, like K-FAC's (the batch, first, is kept).
+        @eqx.filter_jit(donate="all-except-first")
+        def adam_step(batch, model, opt_state):
             value, grads = eqx.filter_value_and_grad(loss)(model, batch)
             updates, opt_state = adam.update(grads, opt_state, eqx.filter(model, eqx.is_array))
             return eqx.apply_updates(model, updates), opt_state, value
 
-        carry = [model, adam.init(eqx.filter(model, eqx.is_array))]
+        carry = [_copy(model), adam.init(eqx.filter(model, eqx.is_array))]
 
         def run(n):
             for _ in range(n):
-                carry[0], carry[1], _ = adam_step(carry[0], carry[1], x)
+                carry[0], carry[1], _ = adam_step(x, carry[0], carry[1])
             jax.block_until_ready(carry[0])
 
-        return run, lambda: adam_step.lower(carry[0], carry[1], x)
+        return run, lambda: adam_step.lower(x, carry[0], carry[1])
     opt, hyper = make_kfac(method == "kfac_adaptive")
-    carry = [model, opt.init(model, jax.random.PRNGKey(3), x), jax.random.PRNGKey(2)]
+    carry = [_copy(model), opt.init(model, jax.random.PRNGKey(3), x), jax.random.PRNGKey(2)]
 
     def run(n):
         for _ in range(n):
@@ -134,8 +143,11 @@ def make_runner(method, model, x):
         jax.block_until_ready(carry[0])
 
     def lower():
-        args = tuple(hyper.get(k) for k in ("learning_rate", "momentum", "damping"))
-        return _optimizer._jitted_step.lower(opt, carry[0], carry[1], carry[2], x, None, args, True)
+        hyper_args = tuple(hyper.get(k) for k in ("learning_rate", "momentum", "damping"))
+        args = (carry[0], carry[1], carry[2], x, None, hyper_args)
+        kept = (None, None) + args[2:]
+        donated = args[:2] + (None,) * 4
+        return _optimizer_compiled._jitted_donating_step.lower(kept, donated, opt, True)
 
     return run, lower
 

@@ -11,9 +11,9 @@ pi-adjusted factored damping. Both are also lineax solvers.
 Numerical safety: factors are symmetrised before any decomposition. If an eigendecomposition of
 finite input comes back non-finite (a known failure of some GPU solvers), it is retried on the
 factor shifted by a small multiple of its scale, and the shift is subtracted from the eigenvalues.
-If a Cholesky inverse comes back non-finite (singular or indefinite by rounding), the inverse is
-taken from the eigendecomposition with eigenvalues floored at a relative epsilon (that is,
-more damping). Non-finite input has no sane answer and yields non-finite output, which
+Inverses of damped factors use block elimination with Cholesky factorisations at the leaves;
+if one comes back non-finite (singular or indefinite by rounding), the inverse is taken from
+the eigendecomposition with eigenvalues floored at a relative epsilon (that is, more damping). Non-finite input has no sane answer and yields non-finite output, which
 `lineax.linear_solve` reports as a failed solve.
 """
 
@@ -532,11 +532,8 @@ def pi_adjusted_damped_factors(
     return tuple(jnp.where(positive, r, z) for r, z in zip(regular, zero_case))
 
 
-def _keep_inverse(matrix: Array, inverse: Array) -> Array:
-    return inverse
-
-
 def _floored_eigh_inverse(matrix: Array, inverse: Array) -> Array:
+    del inverse
     vals, vecs = _guarded_eigh(matrix)
     finfo = jnp.finfo(matrix.dtype)
     floor = finfo.eps * matrix.shape[0] * jnp.max(jnp.abs(vals), initial=0.0) + finfo.tiny
@@ -544,12 +541,42 @@ def _floored_eigh_inverse(matrix: Array, inverse: Array) -> Array:
     return (vecs / vals) @ vecs.T
 
 
+# Below this size a Cholesky solve against the identity is fastest; above it the block recursion
+# (mostly matrix products) is about twice as fast on CPU.
+_BLOCK_INVERSE_LEAF = 256
+
+
+def _matmul(a: Array, b: Array) -> Array:
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def _block_spd_inverse(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
+    """The inverse of a symmetric positive definite matrix by recursive 2x2 block elimination.
+
+    With `M = [[A, B], [Bᵀ, C]]`, `S = C - Bᵀ A⁻¹ B` (the Schur complement, the same one a block
+    Cholesky factorisation forms) and `P = A⁻¹ B S⁻¹`: `M⁻¹ = [[A⁻¹ + P (A⁻¹B)ᵀ, -P], [-Pᵀ, S⁻¹]]`.
+    About `4/3 n³` flops, almost all in matrix products. A matrix that is not positive definite
+    yields non-finite entries (from a Cholesky factorisation at the leaves).
+    """
+    n = matrix.shape[0]
+    if n <= _BLOCK_INVERSE_LEAF:
+        eye = jnp.eye(n, dtype=matrix.dtype)
+        return jsl.cho_solve((jnp.linalg.cholesky(matrix), True), eye)
+    h = n // 2
+    a, b, c = matrix[:h, :h], matrix[:h, h:], matrix[h:, h:]
+    a_inv = _block_spd_inverse(a)
+    a_inv_b = _matmul(a_inv, b)
+    s_inv = _block_spd_inverse(_symmetrise(c - _matmul(b.T, a_inv_b)))
+    p = _matmul(a_inv_b, s_inv)
+    top_left = _symmetrise(a_inv + _matmul(p, a_inv_b.T))
+    return jnp.block([[top_left, -p], [-p.T, s_inv]])
+
+
 def _psd_inverse(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
     matrix = _symmetrise(matrix)
-    eye = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
-    inverse = jsl.cho_solve((jnp.linalg.cholesky(matrix), True), eye)
+    inverse = _block_spd_inverse(matrix)
     finite = jnp.all(jnp.isfinite(inverse))
-    return jax.lax.cond(finite, _keep_inverse, _floored_eigh_inverse, matrix, inverse)
+    return jax.lax.cond(finite, lambda m, i: i, _floored_eigh_inverse, matrix, inverse)
 
 
 def _psd_matpower(matrix: Float[Array, "n n"], power: float) -> Float[Array, "n n"]:

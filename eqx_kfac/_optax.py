@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._blocks import CurvatureBlock
+from ._blocks._solver_cache import check_solver_choice, SolverChoice
 from ._estimators import BlockDiagonalCurvature, EstimatorState
 from ._estimators.base import default_batch_size_extractor, ESTIMATION_MODES
 from ._layer_data import LayerSpec
@@ -52,6 +53,7 @@ def _estimator(
     example_args: tuple[Any, ...],
     estimation_mode: str,
     layer_tag_to_block_ctor: Mapping[str, Callable[[LayerSpec], CurvatureBlock]] | None,
+    inverse_solver: SolverChoice | None,
 ) -> BlockDiagonalCurvature:
     """The estimator for these arguments, built (tracing `loss_fn`) once per signature.
 
@@ -67,6 +69,7 @@ def _estimator(
         tuple((x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x for x in leaves),
         estimation_mode,
         ctors,
+        inverse_solver,
     )
     try:
         hash(key)
@@ -80,6 +83,7 @@ def _estimator(
         abstract,
         default_estimation_mode=estimation_mode,
         layer_tag_to_block_ctor=dict(ctors) or None,
+        inverse_solver=inverse_solver,
     )
     if key is not None:
         _ESTIMATORS[key] = estimator
@@ -116,6 +120,7 @@ def kfac_preconditioner(
     use_exact_inverses: bool = False,
     layer_tag_to_block_ctor: Mapping[str, Callable[[LayerSpec], CurvatureBlock]] | None = None,
     batch_size_extractor: Callable[[Any], Any] = default_batch_size_extractor,
+    inverse_solver: SolverChoice | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC preconditioning as an optax transformation: `g ↦ (C + (l2_reg + damping) I)⁻¹ g`.
 
@@ -176,6 +181,14 @@ def kfac_preconditioner(
     - `layer_tag_to_block_ctor`: block class per tag name, overriding the defaults.
     - `batch_size_extractor`: the batch size of `batch` (default: the leading dimension of its
       first array).
+    - `inverse_solver`: the lineax solver of the blocks' inverses, as for
+      `BlockDiagonalCurvature`: one solver (for every `Full` and Kronecker block), one per block
+      (or `None`), or a function from a block to its solver (or `None`); e.g. `lineax.Cholesky()`
+      or `lineax.CG(rtol, atol)`. It replaces the choice of `use_exact_inverses` for those
+      blocks. With caching, the solver state is refreshed every `inverse_update_period` steps
+      with the damping of that step. A failed solve (e.g. CG out of steps) gives NaNs: wrap the
+      chain in `optax.apply_if_finite` to skip such steps. (Under `optax.inject_hyperparams`, a
+      function given here must be listed in `static_args` too.)
 
     **Returns:**
 
@@ -197,7 +210,10 @@ def kfac_preconditioner(
         )
     curvature_update_period = _check_int("curvature_update_period", curvature_update_period)
     inverse_update_period = _check_int("inverse_update_period", inverse_update_period)
-    estimator = _estimator(loss_fn, example_args, estimation_mode, layer_tag_to_block_ctor)
+    inverse_solver = check_solver_choice(inverse_solver, "kfac_preconditioner")
+    estimator = _estimator(
+        loss_fn, example_args, estimation_mode, layer_tag_to_block_ctor, inverse_solver
+    )
     static_model = eqx.filter(example_args[0], eqx.is_inexact_array, inverse=True)
     use_cached = inverse_update_period != 1
     if not use_cached:

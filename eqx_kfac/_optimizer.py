@@ -30,8 +30,17 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from . import _distributed
+from ._blocks._solver_cache import check_solver_choice
 from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
 from ._estimators.base import default_batch_size_extractor
+from ._optimizer_compiled import (
+    burnin_keys,
+    compiled_step,
+    jitted_burnin,
+    periodic,
+    select_changed,
+    tree_select,
+)
 from ._optimizer_config import (
     EstimatorCache,
     OptimizerState as OptimizerState,
@@ -57,12 +66,6 @@ from ._quad_model import (
 
 
 logger = logging.getLogger("eqx_kfac")
-
-def _tree_select(pred: Array, on_true: Any, on_false: Any) -> Any:
-    return jax.tree.map(
-        lambda a, b: jnp.where(pred, a, b) if eqx.is_array(a) else a, on_true, on_false
-    )
-
 
 def _norm(tree: PyTree[Array]) -> Float[Array, ""]:
     return jnp.sqrt(inner_product(tree, tree))
@@ -121,6 +124,7 @@ class Optimizer(eqx.Module):
     patterns_to_skip: tuple[str, ...] = eqx.field(static=True)
     auto_register_kwargs: tuple[tuple[str, Any], ...] = eqx.field(static=True)
     layer_tag_to_block_ctor: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    inverse_solver: Any = eqx.field(static=True)
     multi_device: bool = eqx.field(static=True)
     mesh: Any = eqx.field(static=True)
     pmap_axis_name: str = eqx.field(static=True)
@@ -130,6 +134,10 @@ class Optimizer(eqx.Module):
     distributed_precon_apply: bool = eqx.field(static=True)
     distributed_inverses: bool = eqx.field(static=True)
     skip_non_finite: bool = eqx.field(static=True)
+    donate_parameters: bool = eqx.field(static=True)
+    donate_optimizer_state: bool = eqx.field(static=True)
+    donate_batch_inputs: bool = eqx.field(static=True)
+    donate_func_state: bool = eqx.field(static=True)
     _cache: EstimatorCache = eqx.field(static=True)
 
     def __init__(
@@ -178,6 +186,11 @@ class Optimizer(eqx.Module):
         curvature_update_period: int = 1,
         value_func: Callable[..., Any] | None = None,
         value_func_for_estimator: Callable[..., Any] | None = None,
+        donate_parameters: bool = False,
+        donate_optimizer_state: bool = False,
+        donate_batch_inputs: bool = False,
+        donate_func_state: bool = False,
+        inverse_solver: Any = None,
     ):
         """**Arguments:**
 
@@ -218,6 +231,14 @@ class Optimizer(eqx.Module):
         - `register_only_generic`, `patterns_to_skip`, `auto_register_kwargs`: passed to
           `auto_register_tags`.
         - `layer_tag_to_block_ctor`: block class per tag name, overriding the defaults.
+        - `inverse_solver`: the lineax solver the curvature blocks use for their inverse
+          (keyword only), as for `BlockDiagonalCurvature`: one solver (for every `Full` /
+          Kronecker block), a sequence with one solver or `None` per block, or a function from
+          a block to a solver or `None` (e.g. `lineax.Cholesky()`, `lineax.CG(rtol, atol)`,
+          `eqx_kfac.KroneckerEigenSolver()`). It replaces `use_exact_inverses` for those blocks;
+          cached solver states are refreshed every `inverse_update_period` steps with that
+          step's damping. A failed solve gives a non-finite update, which
+          `skip_non_finite=True` skips.
         - `multi_device`: run the step under `jax.shard_map` over `mesh` (default: a 1-D mesh of
           all devices): parameters and state replicated, the batch (the global batch) split along
           its first axis over the axis `pmap_axis_name`; loss, gradients, curvature statistics and
@@ -232,6 +253,10 @@ class Optimizer(eqx.Module):
           parameters, gradient, preconditioned gradient and update to the statistics.
         - `skip_non_finite`: when the loss or gradient is not finite, return the parameters,
           state and function state unchanged (the step counter too) and set `stats["skipped"]`.
+          When only the update is not finite (a failed solve), the parameters, velocities,
+          damping and counters are unchanged and `stats["skipped"]` is set; the curvature
+          statistics keep the (finite) batch. A cache refresh that is not finite keeps the
+          previous cache.
         - `curvature_update_period`: steps between curvature updates (keyword only).
         - `value_func`: the loss function itself (keyword only). By default it is recovered
           from `value_and_grad_func.__wrapped__` (set by `jax.value_and_grad`,
@@ -239,6 +264,13 @@ class Optimizer(eqx.Module):
           raises `ValueError`.
         - `value_func_for_estimator`: the function whose registrations the curvature estimator
           traces (keyword only; default `value_func`), e.g. the loss without regularisers.
+        - `donate_parameters`, `donate_optimizer_state`, `donate_batch_inputs`,
+          `donate_func_state`: donate these arguments' buffers to `step` (keyword only, as in
+          kfac-jax): the step writes its outputs into them, which saves a copy of the
+          parameters and of the optimizer state (curvature factors and cached inverses) per
+          step, and the arrays you passed are deleted. Donate only what you replace with the
+          step's outputs (`params, state, stats = optimizer.step(params, state, ...)`). Inside
+          your own `jit`, use its `donate_argnums` instead.
         """
         value_func = check_constructor_arguments(
             value_and_grad_func=value_and_grad_func,
@@ -299,6 +331,7 @@ class Optimizer(eqx.Module):
         self.patterns_to_skip = tuple(patterns_to_skip)
         self.auto_register_kwargs = tuple(sorted((auto_register_kwargs or {}).items()))
         self.layer_tag_to_block_ctor = tuple(sorted((layer_tag_to_block_ctor or {}).items()))
+        self.inverse_solver = check_solver_choice(inverse_solver, "Optimizer")
         self.multi_device = multi_device
         self.mesh = mesh
         self.pmap_axis_name = pmap_axis_name
@@ -308,6 +341,10 @@ class Optimizer(eqx.Module):
         self.distributed_precon_apply = distributed_precon_apply
         self.distributed_inverses = distributed_inverses
         self.skip_non_finite = skip_non_finite
+        self.donate_parameters = donate_parameters
+        self.donate_optimizer_state = donate_optimizer_state
+        self.donate_batch_inputs = donate_batch_inputs
+        self.donate_func_state = donate_func_state
         self._cache = EstimatorCache()
 
     # --- configuration helpers --------------------------------------------------------------
@@ -388,6 +425,7 @@ class Optimizer(eqx.Module):
             params_index=0,
             default_estimation_mode=self.estimation_mode,
             layer_tag_to_block_ctor=dict(self.layer_tag_to_block_ctor) or None,
+            inverse_solver=self.inverse_solver,
             **kwargs,
         )
         implicit = ImplicitExactCurvature(
@@ -484,7 +522,7 @@ class Optimizer(eqx.Module):
         hyper = tuple(None if v is None else jnp.asarray(v) for v in (learning_rate, momentum, damping))
         if data_iterator is None:
             check_batch(state, batch, "batch")
-            return _jitted_step(self, params, state, rng, batch, func_state, hyper, True)
+            return compiled_step(self, (params, state, rng, batch, func_state, hyper), True)
         step_int = global_step_int
         if step_int is None:
             try:
@@ -496,19 +534,19 @@ class Optimizer(eqx.Module):
                 ) from None
         original = state
         if step_int == 0 and self.num_burnin_steps > 0:
-            keys = _burnin_keys(rng, self.num_burnin_steps)
+            keys = burnin_keys(rng, self.num_burnin_steps)
             for i in range(self.num_burnin_steps):
                 burnin_batch = next(data_iterator)
                 check_batch(state, burnin_batch, f"burn-in batch #{i}")
-                state = _jitted_burnin(self, params, state, keys[i], burnin_batch, func_state)
+                state = jitted_burnin(self, params, state, keys[i], burnin_batch, func_state)
         batch = next(data_iterator)
         check_batch(state, batch, "batch from data_iterator")
-        out = _jitted_step(self, params, state, rng, batch, func_state, hyper, False)
+        out = compiled_step(self, (params, state, rng, batch, func_state, hyper), False)
         if state is original:
             return out
         # A skipped step must leave the state as it was before the burn-in too.
         stats = out[-1]
-        return (*out[:1], _tree_select(stats["skipped"], original, out[1]), *out[2:])
+        return (*out[:1], tree_select(stats["skipped"], original, out[1]), *out[2:])
 
     # --- the compiled parts -----------------------------------------------------------------
 
@@ -575,54 +613,70 @@ class Optimizer(eqx.Module):
         hyper: tuple[Any, Any, Any],
         burnin_in_graph: bool,
     ) -> tuple[Any, ...]:
-        original = (params, state, func_state)
         learning_rate, momentum, damping = self._hyperparameters(state, *hyper)
         identity_weight = self.l2_reg + damping
         step = state.step_counter
 
-        if burnin_in_graph and self.num_burnin_steps > 0:
-            keys = _burnin_keys(rng, self.num_burnin_steps)
-
-            def burnin(s):
-                return jax.lax.fori_loop(
-                    0, self.num_burnin_steps,
-                    lambda i, s_: self._burnin_update(params, s_, keys[i], batch, func_state), s,
-                )
-
-            state = jax.lax.cond(step == 0, burnin, lambda s: s, state)
-
         processed = self._process(batch)
+        in_graph_burnin = burnin_in_graph and self.num_burnin_steps > 0
+        keys = burnin_keys(rng, self.num_burnin_steps) if in_graph_burnin else None
         rng = _distributed.fold_in_device(rng, self._axis)
         rng, func_rng = jax.random.split(rng) if self.value_func_has_rng else (rng, None)
         func_args = self._func_args(params, func_state, func_rng, processed)
         block_diagonal, implicit = self.estimators(func_args)
         batch_size = self.batch_size_extractor(processed)
 
-        def update_curvature(estimator_state):
-            return block_diagonal.update_curvature_matrix_estimate(
-                estimator_state, self.curvature_ema, 1.0, batch_size, rng, func_args,
-                axis_name=self._axis,
-            )
-
-        estimator_state = _maybe(
-            self.curvature_update_period, step, update_curvature, state.estimator_state
-        )
         out, grads = self.value_and_grad_func(*func_args)
         out = _distributed.pmean(out, self._axis)
         loss, new_func_state, aux = self._split_outputs(out)
         grads = _distributed.pmean(eqx.filter(grads, eqx.is_inexact_array), self._axis)
+        # Gates on the state, applied where each part is computed so that they fuse with it
+        # (one select over the whole state at the end would copy it in every step).
+        finite = jnp.isfinite(loss) & all_finite(grads) if self.skip_non_finite else None
+
+        if in_graph_burnin:
+            def burnin(s):
+                return jax.lax.fori_loop(
+                    0, self.num_burnin_steps,
+                    lambda i, s_: self._burnin_update(
+                        params, s_, keys[i], batch, func_state
+                    ),
+                    s,
+                )
+
+            # Skipped with the step it belongs to (and repeated at the next step 0).
+            first = step == 0 if finite is None else (step == 0) & finite
+            state = jax.lax.cond(first, burnin, lambda s: s, state)
+
+        def update_curvature(estimator_state):
+            updated = block_diagonal.update_curvature_matrix_estimate(
+                estimator_state, self.curvature_ema, 1.0, batch_size, rng, func_args,
+                axis_name=self._axis,
+            )
+            return select_changed(finite, updated, estimator_state)
+
+        estimator_state = periodic(
+            self.curvature_update_period, step, update_curvature, state.estimator_state
+        )
 
         if self._use_cached_inverses:
             exact, approx = self._powers_to_cache
             if self.multi_device and self.distributed_inverses:
-                def update_cache(s):
+                def new_cache(s):
                     return _distributed.distributed_update_cache(
                         block_diagonal, s, identity_weight, exact, approx, self._axis
                     )
             else:
-                def update_cache(s):
+                def new_cache(s):
                     return block_diagonal.update_cache(s, identity_weight, exact, approx)
-            estimator_state = _maybe(
+
+            def update_cache(s):
+                # A failed factorisation keeps the previous (finite) cache.
+                updated = new_cache(s)
+                keep = all_finite(updated) if finite is None else finite & all_finite(updated)
+                return select_changed(keep, updated, s)
+
+            estimator_state = periodic(
                 self.inverse_update_period, step, update_cache, estimator_state
             )
         precon_args = (
@@ -656,7 +710,9 @@ class Optimizer(eqx.Module):
         delta = jax.tree.map(
             lambda p, v: p * coefficients[0] + v * coefficients[1], precon_grad, state.velocities
         )
-        new_params = eqx.apply_updates(params, delta)
+        # A non-finite update (e.g. from a failed solve) is skipped like a non-finite gradient.
+        applied = None if finite is None else finite & all_finite(delta)
+        new_params = select_changed(applied, eqx.apply_updates(params, delta), params)
 
         def adapt_damping():
             change = quad_change
@@ -703,14 +759,15 @@ class Optimizer(eqx.Module):
             step_counter=step + 1,
             batch_signature=state.batch_signature,
         )
-        if self.skip_non_finite:
-            finite = jnp.isfinite(loss) & all_finite(grads)
-            new_params, new_state, new_func_state = _tree_select(
-                finite, (new_params, new_state, new_func_state), original
-            )
-            skipped = ~finite
-        else:
+        if applied is None:
             skipped = jnp.zeros((), bool)
+        else:
+            # The estimator state is gated already (curvature by `finite`, cache by its own
+            # finiteness): replacing it in `state` leaves nothing to select there.
+            kept = eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
+            new_state = select_changed(applied, new_state, kept)
+            new_func_state = select_changed(finite, new_func_state, func_state)
+            skipped = ~applied
         stats = dict(
             step=new_state.step_counter,
             batch_size=jnp.asarray(batch_size),
@@ -741,38 +798,3 @@ class Optimizer(eqx.Module):
         if self.value_func_has_state:
             return new_params, new_state, new_func_state, stats
         return new_params, new_state, stats
-
-
-def _maybe(period: int, step: Array, fn: Callable[[Any], Any], value: Any) -> Any:
-    """`fn(value)` on steps that are multiples of `period`, else `value` (no `cond` for period 1)."""
-    if period == 1:
-        return fn(value)
-    return jax.lax.cond(step % period == 0, fn, lambda v: v, value)
-
-
-def _burnin_keys(rng: PRNGKeyArray, num: int) -> Array:
-    # Derived by folding in, so the step itself sees the same key with or without burn-in.
-    return jax.random.split(jax.random.fold_in(rng, 1), num)
-
-
-def _maybe_sharded(optimizer: Optimizer, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)`, under `shard_map` with the batch (`args[3]`) split when `multi_device`."""
-    if not optimizer.multi_device:
-        return fn(*args)
-    mesh = optimizer.mesh
-    if mesh is None:
-        mesh = _distributed.data_mesh(optimizer.pmap_axis_name)
-    return _distributed.sharded_call(fn, mesh, optimizer.pmap_axis_name, args, batch_index=3)
-
-
-@eqx.filter_jit
-def _jitted_step(optimizer, params, state, rng, batch, func_state, hyper, burnin_in_graph):
-    return _maybe_sharded(
-        optimizer, lambda *a: optimizer._step(*a, burnin_in_graph),
-        params, state, rng, batch, func_state, hyper,
-    )
-
-
-@eqx.filter_jit
-def _jitted_burnin(optimizer, params, state, key, batch, func_state):
-    return _maybe_sharded(optimizer, optimizer._burnin_update, params, state, key, batch, func_state)

@@ -18,7 +18,7 @@ canonical array, which is what the Kronecker solvers recognise. Other blocks are
 their `as_linear_operator(state, λ)`.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -27,23 +27,10 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
 from ._blocks import CurvatureBlock, Full, KroneckerFactored
+from ._blocks._solver_cache import damped_kronecker, SolverChoice
 from ._blocks.base import flatten_vector, unflatten_vector
 from ._estimators.base import AbstractCurvatureEstimator, EstimatorState, _per_block
-from ._operators import KroneckerEigenSolver, KroneckerOperator
-
-_PSD = (lx.symmetric_tag, lx.positive_semidefinite_tag)
-
-SolverChoice = (
-    lx.AbstractLinearSolver
-    | Sequence[lx.AbstractLinearSolver]
-    | Callable[[CurvatureBlock], lx.AbstractLinearSolver]
-)
-
-
-def _damped_kronecker(factors: Sequence[Array], identity_weight: ArrayLike) -> lx.AbstractLinearOperator:
-    kron = KroneckerOperator(factors, lx.positive_semidefinite_tag)
-    identity = lx.IdentityLinearOperator(kron.in_structure())
-    return lx.TaggedLinearOperator(kron + identity_weight * identity, _PSD)
+from ._operators import KroneckerEigenSolver
 
 
 def _factors_and_maps(block: CurvatureBlock, state: eqx.Module):
@@ -83,7 +70,7 @@ def damped_block_operator(
                 "`scan`); its operator is per slice. Use `solve_block`, which handles stacks."
             )
         factors, _, _ = _factors_and_maps(block, state)
-        return _damped_kronecker(factors, identity_weight)
+        return damped_kronecker(factors, identity_weight)
     return block.as_linear_operator(state, identity_weight)
 
 
@@ -102,8 +89,9 @@ def solve_block(
     - `state`: its state (the current statistics are used, not cached inverses).
     - `vector`: a tuple of arrays shaped like the block's parameters.
     - `identity_weight`: the damping `λ`.
-    - `solver`: a lineax solver (see the module docstring); default: `KroneckerEigenSolver()`
-      for `Full` and Kronecker blocks, `lineax.AutoLinearSolver(well_posed=True)` otherwise.
+    - `solver`: a lineax solver (see the module docstring); default: the block's own `solver`
+      when it has one, else `KroneckerEigenSolver()` for `Full` and Kronecker blocks and
+      `lineax.AutoLinearSolver(well_posed=True)` otherwise.
 
     **Returns:**
 
@@ -116,12 +104,13 @@ def solve_block(
         operator = block.as_linear_operator(state, identity_weight)
         cast = tuple(v.astype(block.dtype) for v in vector)
         return tuple(lx.linear_solve(operator, cast, solver).value)
-    solver = KroneckerEigenSolver() if solver is None else solver
+    if solver is None:
+        solver = KroneckerEigenSolver() if block.solver is None else block.solver
 
     def one_slice(state: eqx.Module, vector: tuple[Array, ...]) -> tuple[Array, ...]:
         factors, to_operand, from_operand = _factors_and_maps(block, state)
         operand = to_operand(tuple(v.astype(block.dtype) for v in vector))
-        operator = _damped_kronecker(factors, identity_weight)
+        operator = damped_kronecker(factors, identity_weight)
         return tuple(from_operand(lx.linear_solve(operator, operand, solver).value))
 
     if block.spec.stack_size is None:
@@ -146,8 +135,8 @@ def solve(
       `eqx.filter(params, eqx.is_inexact_array)`).
     - `identity_weight`: the damping, one value or one per block.
     - `solver`: `None` (the defaults of `solve_block`), one lineax solver for every block, one
-      per block, or a function from a block to its solver (e.g. CG for large Kronecker blocks,
-      Cholesky for the others).
+      per block (`None` entries for the defaults), or a function from a block to its solver or
+      `None` (e.g. CG for large Kronecker blocks, Cholesky for the others).
 
     **Returns:**
 

@@ -8,7 +8,6 @@ import itertools
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from models import mlp_classification

@@ -117,3 +117,45 @@ def test_registration_report_is_logged_once(caplog):
     assert len(records) == 1
     message = records[0].getMessage()
     assert "layers[0].weight" in message and "DenseTwoKroneckerFactored" in message
+
+
+def test_non_finite_update_is_skipped_and_the_statistics_kept():
+    # Finite loss and gradient, infinite learning rate: the update is not finite.
+    opt = Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=1e-3, num_burnin_steps=0,
+                    inverse_update_period=2)
+    state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    hyper = dict(momentum=0.5, damping=0.1)
+    good = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH, learning_rate=0.1,
+                    **hyper)
+    params, new_state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH,
+                                        learning_rate=jnp.inf, **hyper)
+    assert bool(stats["skipped"]) and np.isfinite(float(stats["loss"]))
+    _assert_trees_equal(params, PROBLEM.params)
+    _assert_trees_equal(
+        (new_state.velocities, new_state.step_counter, new_state.data_seen, new_state.damping),
+        (state.velocities, state.step_counter, state.data_seen, state.damping),
+    )
+    # The batch's statistics and the refreshed cache are those of the good step.
+    _assert_trees_equal(new_state.estimator_state, good[1].estimator_state)
+
+
+def test_donating_step_equals_plain_step_and_consumes_its_arguments():
+    def make(**donate):
+        return Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=1e-3,
+                         use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                         use_adaptive_damping=True, initial_damping=1.0,
+                         damping_adaptation_interval=2, inverse_update_period=2,
+                         num_burnin_steps=2, **donate)
+
+    plain = make()
+    donating = make(donate_parameters=True, donate_optimizer_state=True)
+    state0 = plain.init(PROBLEM.params, jax.random.key(0), BATCH)
+    expected = (PROBLEM.params, state0)
+    copy = jax.tree.map(lambda a: jnp.array(a, copy=True) if eqx.is_array(a) else a, expected)
+    params, state = copy
+    for i in range(3):
+        expected = plain.step(*expected, jax.random.key(i), batch=BATCH)[:2]
+        donated_leaf = jax.tree.leaves(params)[0]
+        params, state, _ = donating.step(params, state, jax.random.key(i), batch=BATCH)
+        assert donated_leaf.is_deleted()
+    _assert_trees_equal((params, state), expected)

@@ -5,8 +5,9 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
+import lineax as lx
 from jax.typing import ArrayLike
-from jaxtyping import Array
+from jaxtyping import Array, PyTree
 
 from .._layer_data import EstimationData, LayerSpec
 from .._operators import kronecker_damped_matpower, kronecker_eigh, KroneckerEigh, pi_adjusted_inverse
@@ -15,6 +16,13 @@ from ._layer_stats import (
     check_scale_and_shift_spec,
     dense_gradient_samples,
     scale_and_shift_gradient_samples,
+)
+from ._solver_cache import (
+    SOLVER_CACHE_KEY,
+    solver_inverse,
+    solver_state,
+    solver_takes_inverse,
+    zero_solver_state,
 )
 from .base import (
     CurvatureBlock,
@@ -32,12 +40,13 @@ class FullState(eqx.Module):
     **Fields:**
 
     - `matrix`: moving average of the `(dim, dim)` curvature (parameters flattened in order).
-    - `cache`: `"eigenvalues"` (`(dim,)`) when eigenvalues or powers are cached, and
-      `"eigenvectors"` (`(dim, dim)`) when powers are cached.
+    - `cache`: `"eigenvalues"` (`(dim,)`) when eigenvalues or powers are cached,
+      `"eigenvectors"` (`(dim, dim)`) when powers are cached, and, for a block with a `solver`
+      caching power -1, the array part of the solver's state (see `Full`).
     """
 
     matrix: WeightedMovingAverage
-    cache: dict[str, Array]
+    cache: dict[str, PyTree[Array]]
 
 
 class Full(CurvatureBlock):
@@ -49,6 +58,19 @@ class Full(CurvatureBlock):
     Uncached inverses use a Cholesky factorisation with an eigendecomposition fallback; power
     `1` always uses the current statistics. Cost: `O(dim²)` memory, `O(dim³)` per factorisation.
 
+    **Choosing the solver.** With `solver=` a lineax solver (e.g. `lineax.Cholesky()`,
+    `lineax.CG(rtol, atol)`, `eqx_kfac.KroneckerEigenSolver()`), power `-1` (exact or
+    approximate alike) is `lineax.linear_solve(C + λ·I, v, solver)`, with the operator of
+    `eqx_kfac.damped_block_operator` (a one-factor `KroneckerOperator` plus `λ·I`, acting on the
+    flat parameters). Caching `-1` then stores `solver.init` of that operator at `update_cache`,
+    with the damping given there (frozen until the next `update_cache`). A solve that does not
+    succeed (e.g. CG out of steps) returns NaNs. Other powers are unaffected.
+
+    **Fields** (besides the subclass's `spec`):
+
+    - `solver`: the lineax solver for power `-1`, or `None` for the built-in method (static,
+      keyword-only: `DenseFull(spec, solver=lineax.Cholesky())`).
+
     **Subclasses** declare `spec: LayerSpec = eqx.field(static=True)`, set `supported_tags`, and
     implement `_full_statistics(data, batch_size) -> Array`: this batch's `(slice_dim,
     slice_dim)` curvature `Σ_v Σ_b vec(g_vb) vec(g_vb)ᵀ / batch_size`, with each sample's
@@ -56,17 +78,24 @@ class Full(CurvatureBlock):
     it from per-parameter samples).
     """
 
+    solver: lx.AbstractLinearSolver | None = eqx.field(static=True, default=None, kw_only=True)
+
     @abc.abstractmethod
     def _full_statistics(self, data: EstimationData, batch_size: ArrayLike) -> Array:
         """This batch's dense curvature (see the class docstring)."""
 
     def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> FullState:
+        exact_powers, approx_powers, inverse = solver_takes_inverse(
+            self.solver, exact_powers, approx_powers
+        )
         d = self.slice_dim
         cache = {}
         if exact_powers or approx_powers or cache_eigenvalues:
             cache["eigenvalues"] = jnp.zeros((d,), self.dtype)
         if exact_powers or approx_powers:
             cache["eigenvectors"] = jnp.zeros((d, d), self.dtype)
+        if inverse:
+            cache[SOLVER_CACHE_KEY] = zero_solver_state(self.solver, (d,), self.dtype)
         return FullState(matrix=WeightedMovingAverage.zeros((d, d), self.dtype), cache=cache)
 
     def _update(self, state, data, ema_old, ema_new, batch_size) -> FullState:
@@ -76,19 +105,28 @@ class Full(CurvatureBlock):
     def _update_cache(
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
     ) -> FullState:
-        del identity_weight
+        exact_powers, approx_powers, inverse = solver_takes_inverse(
+            self.solver, exact_powers, approx_powers
+        )
         powers = exact_powers or approx_powers
         if powers and "eigenvectors" not in state.cache:
             raise self._missing_cache(f"powers {powers}", "exact_powers_to_cache")
         if eigenvalues and "eigenvalues" not in state.cache:
             raise self._missing_cache("eigenvalues", "cache_eigenvalues")
-        if not (powers or eigenvalues):
+        if inverse and SOLVER_CACHE_KEY not in state.cache:
+            raise self._missing_cache("solver state for power -1", "exact_powers_to_cache")
+        if not (powers or eigenvalues or inverse):
             return state
-        eigh = kronecker_eigh([state.matrix.value])
         cache = dict(state.cache)
-        cache["eigenvalues"] = eigh.eigenvalues[0]
-        if powers:
-            cache["eigenvectors"] = eigh.eigenvectors[0]
+        if inverse:
+            cache[SOLVER_CACHE_KEY] = solver_state(
+                self.solver, (state.matrix.value,), identity_weight
+            )
+        if powers or eigenvalues:
+            eigh = kronecker_eigh([state.matrix.value])
+            cache["eigenvalues"] = eigh.eigenvalues[0]
+            if powers:
+                cache["eigenvectors"] = eigh.eigenvectors[0]
         return FullState(matrix=state.matrix, cache=cache)
 
     def _multiply_matpower(
@@ -105,6 +143,8 @@ class Full(CurvatureBlock):
         matrix = state.matrix.value
         if power == 1:
             result = matrix @ flat + identity_weight * flat
+        elif power == -1 and self.solver is not None:
+            result = solver_inverse(self, state.cache, (matrix,), flat, identity_weight, use_cached)
         elif use_cached:
             if "eigenvectors" not in state.cache:
                 raise self._missing_cache(f"power {power}", "exact_powers_to_cache")

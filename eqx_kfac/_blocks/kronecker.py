@@ -7,9 +7,10 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import Array
+from jaxtyping import Array, PyTree
 
 from .._layer_data import EstimationData, LayerSpec
 from .._operators import (
@@ -22,6 +23,13 @@ from .._operators import (
 from ._layer_stats import (
     check_dense_spec,
     dense_layout,
+)
+from ._solver_cache import (
+    SOLVER_CACHE_KEY,
+    solver_inverse,
+    solver_state,
+    solver_takes_inverse,
+    zero_solver_state,
 )
 from .base import (
     CurvatureBlock,
@@ -40,11 +48,13 @@ class KroneckerState(eqx.Module):
     - `factors`: one moving average per Kronecker factor, `(n_i, n_i)`.
     - `cache`: `"eigenvalues"` (per factor, when eigenvalues or exact powers are cached),
       `"eigenvectors"` (per factor, when exact powers are cached) and `"approx <p>"` (per factor:
-      the pi-adjusted damped factor raised to `p`, for each cached approximate power `p`).
+      the pi-adjusted damped factor raised to `p`, for each cached approximate power `p`), and,
+      for a block with a `solver` caching power -1, the array part of the solver's state (see
+      `KroneckerFactored`).
     """
 
     factors: tuple[WeightedMovingAverage, ...]
-    cache: dict[str, tuple[Array, ...]]
+    cache: dict[str, PyTree[Array]]
 
 
 class KroneckerFactored(CurvatureBlock):
@@ -67,6 +77,21 @@ class KroneckerFactored(CurvatureBlock):
     Cost: `O(Σ n_i²)` memory and `O(Σ n_i³)` per factorisation, instead of `O(Π n_i²)` and
     `O(Π n_i³)` for `Full`.
 
+    **Choosing the solver.** With `solver=` a lineax solver, power `-1` (exact and approximate
+    alike: `exact_power` is then irrelevant) is `lineax.linear_solve(K + λ·I, v, solver)` on the
+    canonical array, with `K` the PSD-tagged `KroneckerOperator` of the factors (the operator of
+    `eqx_kfac.damped_block_operator`). `eqx_kfac.KroneckerEigenSolver()` gives the exact inverse,
+    `eqx_kfac.KroneckerPiAdjustedSolver()` the pi-adjusted one, `lineax.CG(rtol, atol)` keeps
+    the Kronecker structure, and dense solvers (`lineax.Cholesky()`, `lineax.LU()`) materialise
+    the product (small blocks only). Caching `-1` stores `solver.init` of the operator at
+    `update_cache`, with the damping given there (frozen until the next `update_cache`). A solve
+    that does not succeed (e.g. CG out of steps) returns NaNs. Other powers are unaffected.
+
+    **Fields** (besides the subclass's `spec`):
+
+    - `solver`: the lineax solver for power `-1`, or `None` for the built-in methods (static,
+      keyword-only: `DenseTwoKroneckerFactored(spec, solver=lineax.CG(rtol=1e-6, atol=1e-6))`).
+
     **Subclasses** declare `spec: LayerSpec = eqx.field(static=True)`, set `supported_tags`, and
     implement (for one slice):
 
@@ -79,6 +104,8 @@ class KroneckerFactored(CurvatureBlock):
     - `_factor_statistics(data, batch_size) -> tuple[Array, ...]`: this batch's factors
       `(n_i, n_i)`, already normalised (they are averaged as they are).
     """
+
+    solver: lx.AbstractLinearSolver | None = eqx.field(static=True, default=None, kw_only=True)
 
     @property
     @abc.abstractmethod
@@ -98,8 +125,13 @@ class KroneckerFactored(CurvatureBlock):
         """This batch's Kronecker factors (see the class docstring)."""
 
     def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> KroneckerState:
+        exact_powers, approx_powers, inverse = solver_takes_inverse(
+            self.solver, exact_powers, approx_powers
+        )
         dims = self.factor_dims
         cache = {}
+        if inverse:
+            cache[SOLVER_CACHE_KEY] = zero_solver_state(self.solver, dims, self.dtype)
         if exact_powers or cache_eigenvalues:
             cache["eigenvalues"] = tuple(jnp.zeros((n,), self.dtype) for n in dims)
         if exact_powers:
@@ -124,12 +156,19 @@ class KroneckerFactored(CurvatureBlock):
     def _update_cache(
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
     ) -> KroneckerState:
+        exact_powers, approx_powers, inverse = solver_takes_inverse(
+            self.solver, exact_powers, approx_powers
+        )
         cache = dict(state.cache)
+        if inverse and SOLVER_CACHE_KEY not in cache:
+            raise self._missing_cache("solver state for power -1", "exact_powers_to_cache")
         if exact_powers and "eigenvectors" not in cache:
             raise self._missing_cache(f"exact powers {exact_powers}", "exact_powers_to_cache")
         if eigenvalues and "eigenvalues" not in cache:
             raise self._missing_cache("eigenvalues", "cache_eigenvalues")
         factors = self._factor_values(state)
+        if inverse:
+            cache[SOLVER_CACHE_KEY] = solver_state(self.solver, factors, identity_weight)
         if exact_powers or eigenvalues:
             eigh = kronecker_eigh(factors)
             cache["eigenvalues"] = eigh.eigenvalues
@@ -153,7 +192,9 @@ class KroneckerFactored(CurvatureBlock):
     ) -> tuple[Array, ...]:
         array = self._params_to_array(tuple(v.astype(self.dtype) for v in vector))
         factors = self._factor_values(state)
-        if power == 1 and exact_power:
+        if power == -1 and self.solver is not None:
+            result = solver_inverse(self, state.cache, factors, array, identity_weight, use_cached)
+        elif power == 1 and exact_power:
             result = KroneckerOperator(factors).mv(array) + identity_weight * array
         elif power == 1:
             result = pi_adjusted_inverse(factors, identity_weight, 1.0).mv(array)

@@ -1,10 +1,12 @@
 """`BlockDiagonalCurvature`: one curvature block per registered layer (K-FAC by default)."""
 
+import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray
 
@@ -15,6 +17,7 @@ from .._blocks import (
     NaiveDiagonal,
     ScaleAndShiftDiagonal,
 )
+from .._blocks._solver_cache import check_solver_choice, SolverChoice
 from .._blocks.conv2d import Conv2DTwoKroneckerFactored
 from .._graph_matcher import auto_register_tags as _auto_register_tags
 from .._layer_data import EstimationData, LayerSpec
@@ -73,6 +76,63 @@ def _check_override_keys(
         )
 
 
+def _takes_solver(block: CurvatureBlock) -> bool:
+    return any(f.name == "solver" for f in dataclasses.fields(block))
+
+
+def _with_solvers(
+    blocks: tuple[CurvatureBlock, ...], choice: SolverChoice | None
+) -> tuple[CurvatureBlock, ...]:
+    """The blocks with their `solver` field set as `inverse_solver` says."""
+    if choice is None:
+        return blocks
+    if isinstance(choice, lx.AbstractLinearSolver):
+        # One solver for all: it applies to the blocks that take one; the others keep theirs.
+        if not any(_takes_solver(b) for b in blocks):
+            raise ValueError(
+                "BlockDiagonalCurvature(inverse_solver=...): no block takes a solver (only "
+                "`Full` and `KroneckerFactored` blocks do); the blocks are: "
+                f"{'; '.join(f'{type(b).__name__} for the {b.spec.describe}' for b in blocks)}. "
+                "Drop inverse_solver or choose such blocks with `layer_tag_to_block_ctor`."
+            )
+        return tuple(
+            dataclasses.replace(b, solver=choice) if _takes_solver(b) else b for b in blocks
+        )
+    if isinstance(choice, tuple):
+        if len(choice) != len(blocks):
+            listing = "; ".join(
+                f"[{i}] {type(b).__name__} for the {b.spec.describe}" for i, b in enumerate(blocks)
+            )
+            raise ValueError(
+                f"BlockDiagonalCurvature(inverse_solver=...) has {len(choice)} entries but there "
+                f"are {len(blocks)} blocks: {listing}. Pass one solver (or None) per block, in "
+                "this order, or a function from a block to its solver."
+            )
+        solvers = choice
+    else:
+        solvers = tuple(choice(b) for b in blocks)
+    new_blocks = []
+    for i, (block, solver) in enumerate(zip(blocks, solvers)):
+        if solver is None:
+            new_blocks.append(block)
+        elif not isinstance(solver, lx.AbstractLinearSolver):
+            raise TypeError(
+                f"BlockDiagonalCurvature(inverse_solver=...): the solver chosen for block {i} "
+                f"({type(block).__name__} for the {block.spec.describe}) is a "
+                f"{type(solver).__name__}, not a lineax solver; return a lineax solver or None."
+            )
+        elif not _takes_solver(block):
+            raise ValueError(
+                f"BlockDiagonalCurvature(inverse_solver=...): block {i}, {type(block).__name__} "
+                f"for the {block.spec.describe}, has no `solver` field (only `Full` and "
+                "`KroneckerFactored` blocks take one). Give None for this block, or choose a "
+                "block that takes a solver for this layer with `layer_tag_to_block_ctor`."
+            )
+        else:
+            new_blocks.append(dataclasses.replace(block, solver=solver))
+    return tuple(new_blocks)
+
+
 class BlockDiagonalCurvature(AbstractCurvatureEstimator):
     """A block-diagonal curvature estimate with one block per registered layer.
 
@@ -105,6 +165,7 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
         layer_tag_to_block_ctor: Mapping[str, BlockCtor] | None = None,
         index_to_block_ctor: Mapping[Any, BlockCtor] | None = None,
         auto_register_tags: bool = True,
+        inverse_solver: SolverChoice | None = None,
         **auto_register_kwargs: Any,
     ):
         """**Arguments:**
@@ -124,6 +185,13 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
           indices (as kfac-jax) or by one of its parameter paths (e.g. `"layers[0].weight"`); takes
           precedence over `layer_tag_to_block_ctor`.
         - `auto_register_tags`: find layers automatically with the graph patterns.
+        - `inverse_solver`: the lineax solver the blocks use for their power `-1` (cached or
+          not, exact or approximate): `None` (each block's built-in method), one solver (for
+          every block that takes one: the `Full` and `KroneckerFactored` families), a sequence
+          with one solver or `None` per block (in the order of `blocks`), or a function from a
+          block to its solver or `None`. E.g. `eqx_kfac.KroneckerEigenSolver()`,
+          `eqx_kfac.KroneckerPiAdjustedSolver()`, `lineax.Cholesky()`,
+          `lineax.CG(rtol, atol)`. A failed solve (e.g. CG out of steps) gives NaNs.
         - `**auto_register_kwargs`: passed to `auto_register_tags` (e.g. `register_only_generic`,
           `patterns_to_skip`, `graph_patterns`).
         """
@@ -137,6 +205,7 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
                 f"Got auto-registration arguments {sorted(auto_register_kwargs)} with "
                 "auto_register_tags=False; drop them or enable auto-registration."
             )
+        inverse_solver = check_solver_choice(inverse_solver, "BlockDiagonalCurvature")
         example_args = tuple(example_args)
         if auto_register_tags:
             func = _auto_register_tags(
@@ -150,8 +219,9 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
         self.func = func
         self.params_index = params_index
         self.default_estimation_mode = default_estimation_mode
-        self.blocks = tuple(
-            _choose_ctor(s, layer_tag_to_block_ctor, index_to_block_ctor)(s) for s in specs
+        self.blocks = _with_solvers(
+            tuple(_choose_ctor(s, layer_tag_to_block_ctor, index_to_block_ctor)(s) for s in specs),
+            inverse_solver,
         )
         self.params_treedef, self.param_paths, self.param_shapes, _ = parameter_layout(
             example_args[params_index]

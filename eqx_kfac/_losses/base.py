@@ -12,14 +12,13 @@ This module holds the base classes and the helpers the loss families share; `nor
 """
 
 import abc
-import math
 from collections.abc import Callable, Sequence
-from typing import ClassVar, Literal
+from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree, Real
 
 
 CoefficientMode = Literal["regular", "sqrt", "off"]

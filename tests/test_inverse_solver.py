@@ -1,0 +1,257 @@
+"""Tests of the in-block choice of linear solver (`solver=` on `Full` / `KroneckerFactored`,
+`inverse_solver=` on `BlockDiagonalCurvature` and `kfac_preconditioner`): every exact solver agrees
+with a dense numpy solve and with the blocks' default exact inverse, cached and uncached, stacked
+or not; the pi-adjusted solver with the default approximate inverse; failed solves give NaNs."""
+
+import equinox as eqx
+import jax
+import lineax as lx
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import eqx_kfac
+from eqx_kfac._optax import kfac_preconditioner
+from eqx_kfac._solvers import solve_block
+
+from block_helpers import dense_spec, flat, random_data, random_vector
+from models import flat_params, mlp_classification, mlp_regression
+
+EXACT_SOLVERS = (
+    eqx_kfac.KroneckerEigenSolver(),
+    lx.Cholesky(),
+    lx.CG(rtol=1e-12, atol=1e-12, max_steps=500),
+    lx.LU(),
+)
+BLOCKS = (eqx_kfac.DenseFull, eqx_kfac.DenseTwoKroneckerFactored)
+
+
+def _close(actual, expected, rtol=1e-8, atol=1e-10):
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol)
+
+
+def _statistics(block, seed, exact=None, approx=None):
+    data = random_data(block.spec, jax.random.key(seed))
+    state = block.init(None, exact, approx)
+    return block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, 3)
+
+
+def _dense_solve(block, state, vector, damping):
+    dense = np.asarray(block.to_dense_matrix(state))
+    return np.linalg.solve(dense + damping * np.eye(dense.shape[0]), np.asarray(flat(vector)))
+
+
+@eqx.filter_jit
+def _inverses(block, state, vector, damping, exact_power):
+    """Uncached inverse, and the cached one refreshed with `damping` but applied with another
+    damping (cached solver states freeze the damping of `update_cache`)."""
+    uncached = block.multiply_inverse(state, vector, damping, exact_power, use_cached=False)
+    powers = {"exact_powers" if exact_power else "approx_powers": -1}
+    refreshed = block.update_cache(state, damping, **powers)
+    cached = block.multiply_inverse(refreshed, vector, 123.0, exact_power, use_cached=True)
+    return uncached, cached
+
+
+@eqx.filter_jit
+def _exact_inverses(blocks, states, vector, damping):
+    """For each block with a solver: its uncached and cached inverses (with `exact_power=False`
+    for the last, where the solver makes it exact too)."""
+    results = []
+    for i, (block, state) in enumerate(zip(blocks, states)):
+        results.extend(_inverses(block, state, vector, damping, i != len(blocks) - 1))
+    return results
+
+
+@pytest.mark.parametrize("cls", BLOCKS)
+@pytest.mark.parametrize("n_in, n_out, stack", [(1, 3, None), (3, 2, 2)])
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**16), damping=st.sampled_from([1e-2, 0.3, 2.0]))
+def test_exact_solvers_agree_with_default_exact_inverse(cls, n_in, n_out, stack, seed, damping):
+    spec = dense_spec(n_in, n_out, layout="out_in", stack=stack)
+    default = cls(spec)
+    state = _statistics(default, seed)
+    vector = random_vector(default, jax.random.key(seed + 1))
+    reference = _dense_solve(default, state, vector, damping)
+    _close(flat(default.multiply_inverse(state, vector, damping, exact_power=True)), reference)
+    # Shapes are fixed per test case, so the examples share one compilation.
+    blocks = tuple(cls(spec, solver=solver) for solver in EXACT_SOLVERS + (lx.Cholesky(),))
+    states = tuple(_statistics(block, seed, exact=-1) for block in blocks)
+    for result in _exact_inverses(blocks, states, vector, damping):
+        assert [r.shape for r in result] == [v.shape for v in vector]
+        _close(flat(result), reference)
+
+
+def test_pi_adjusted_solver_agrees_with_default_approximate_inverse():
+    for stack in (None, 3):
+        spec = dense_spec(3, 2, stack=stack)
+        for cls in BLOCKS:
+            default = cls(spec)
+            block = cls(spec, solver=eqx_kfac.KroneckerPiAdjustedSolver())
+            vector = random_vector(default, jax.random.key(5))
+            state = _statistics(default, 4)
+            expected = eqx.filter_jit(default.multiply_inverse)(state, vector, 0.1, False)
+            for got in _inverses(block, _statistics(block, 4, approx=-1), vector, 0.1, True):
+                _close(flat(got), flat(expected))
+            if cls is eqx_kfac.DenseFull:
+                # One factor: pi-adjusted damping is exact.
+                _close(flat(expected), _dense_solve(default, state, vector, 0.1))
+    # The approximation differs from the exact inverse for two factors, so the check above can fail.
+    kron = eqx_kfac.DenseTwoKroneckerFactored(dense_spec(3, 2))
+    state = _statistics(kron, 4)
+    vector = random_vector(kron, jax.random.key(5))
+    approx = kron.multiply_inverse(state, vector, 0.1, exact_power=False)
+    assert not np.allclose(flat(approx), _dense_solve(kron, state, vector, 0.1), rtol=1e-6)
+
+
+def test_other_powers_keep_their_own_method():
+    spec = dense_spec(3, 2)
+    for cls in BLOCKS:
+        default = cls(spec)
+        block = cls(spec, solver=lx.Cholesky())
+        vector = random_vector(block, jax.random.key(2))
+        states = [
+            b.update_cache(_statistics(b, 1, exact=(-1, -0.5)), 0.2, exact_powers=(-1, -0.5))
+            for b in (default, block)
+        ]
+        for power in (-0.5, 1):
+            a, b = (
+                b.multiply_matpower(s, vector, 0.2, power, True, power != 1)
+                for b, s in zip((default, block), states)
+            )
+            _close(flat(a), flat(b))
+        _close(
+            flat(block.multiply_inverse(states[1], vector, 0.2, use_cached=True)),
+            _dense_solve(block, states[1], vector, 0.2),
+        )
+
+
+def test_failed_solve_gives_nans():
+    spec = dense_spec(4, 3)
+    # Widely spread eigenvalues: one CG step cannot reach the tolerance.
+    block = eqx_kfac.DenseFull(spec, solver=lx.CG(rtol=1e-12, atol=1e-12, max_steps=1))
+    state = _statistics(block, 0, exact=-1)
+    vector = random_vector(block, jax.random.key(1))
+    for result in _inverses(block, state, vector, 1e-6, True):
+        assert np.all(np.isnan(flat(result)))
+    # The same solver with enough steps converges on the same problem.
+    good = eqx_kfac.DenseFull(spec, solver=lx.CG(rtol=1e-6, atol=1e-6, max_steps=1000))
+    result = good.multiply_inverse(state, vector, 1e-6)
+    assert np.all(np.isfinite(flat(result)))
+
+
+def test_solver_field_is_keyword_only_and_static():
+    spec = dense_spec(2, 2)
+    assert eqx_kfac.DenseTwoKroneckerFactored(spec).solver is None
+    block = eqx_kfac.DenseTwoKroneckerFactored(spec, solver=lx.Cholesky())
+    assert block.solver == lx.Cholesky() and jax.tree.leaves(block) == []
+    with pytest.raises(TypeError):
+        eqx_kfac.DenseFull(spec, lx.Cholesky())
+    with pytest.raises(ValueError, match="has no cached"):
+        vector = random_vector(block, jax.random.key(0))
+        block.multiply_inverse(_statistics(block, 0), vector, 0.1, use_cached=True)
+    with pytest.raises(ValueError, match="has no cached"):
+        block.update_cache(_statistics(block, 0), 0.1, exact_powers=-1)
+
+
+def test_solve_block_uses_the_blocks_solver():
+    spec = dense_spec(3, 2)
+    block = eqx_kfac.DenseTwoKroneckerFactored(spec, solver=eqx_kfac.KroneckerPiAdjustedSolver())
+    state = _statistics(block, 3)
+    vector = random_vector(block, jax.random.key(4))
+    expected = eqx_kfac.DenseTwoKroneckerFactored(spec).multiply_inverse(
+        state, vector, 0.1, exact_power=False
+    )
+    _close(flat(solve_block(block, state, vector, 0.1)), flat(expected))
+
+
+def _estimator(problem, **kwargs):
+    return eqx_kfac.BlockDiagonalCurvature(
+        problem.loss_fn, problem.func_args, default_estimation_mode="ggn_exact", **kwargs
+    )
+
+
+def test_estimator_per_block_choice(getkey):
+    problem = mlp_regression(getkey(), sizes=(3, 4, 2))
+    def dense_ctor(spec):
+        full = spec.index == 0
+        return (eqx_kfac.DenseFull if full else eqx_kfac.DenseTwoKroneckerFactored)(spec)
+
+    ctor = {"dense": dense_ctor}
+
+    def choose(block):
+        if isinstance(block, eqx_kfac.Full):
+            return lx.Cholesky()
+        return lx.CG(rtol=1e-12, atol=1e-12, max_steps=500)
+
+    default = _estimator(problem, layer_tag_to_block_ctor=ctor)
+    estimator = _estimator(problem, layer_tag_to_block_ctor=ctor, inverse_solver=choose)
+    assert [type(b.solver) for b in estimator.blocks] == [lx.Cholesky, lx.CG]
+    state = estimator.update_curvature_matrix_estimate(
+        estimator.init(None, -1), 0.0, 1.0, problem.batch_size, getkey(), problem.func_args
+    )
+    grads = jax.grad(lambda p: problem.loss_fn(p, problem.batch))(problem.params)
+    dense = np.asarray(estimator.to_dense_matrix(state))
+    g = np.asarray(flat_params(grads)[0])
+    reference = np.linalg.solve(dense + 0.1 * np.eye(g.size), g)
+
+    @jax.jit
+    def inverses(state):
+        refreshed = estimator.update_cache(state, 0.1, exact_powers=-1)
+        return (
+            # Uncached products read only the statistics, which both estimators share.
+            default.multiply_inverse(state, grads, 0.1, exact_power=True),
+            estimator.multiply_inverse(state, grads, 0.1, exact_power=False),
+            estimator.multiply_inverse(refreshed, grads, 0.1, use_cached=True),
+        )
+
+    for result in inverses(state):
+        _close(flat_params(result)[0], reference)
+    # A sequence with None entries leaves those blocks alone.
+    mixed = _estimator(problem, layer_tag_to_block_ctor=ctor, inverse_solver=[None, lx.LU()])
+    assert [b.solver for b in mixed.blocks] == [None, lx.LU()]
+
+
+def test_estimator_errors(getkey):
+    problem = mlp_classification(getkey(), sizes=(3, 4, 3))
+    with pytest.raises(ValueError, match="1 entries but there are 2 blocks.*dense"):
+        _estimator(problem, inverse_solver=[lx.Cholesky()])
+    diagonal = {"dense": eqx_kfac.DenseDiagonal}
+    no_field = r"block 1, DenseDiagonal for the .*layers\[1\].*no `solver` field"
+    with pytest.raises(ValueError, match=no_field):
+        _estimator(problem, layer_tag_to_block_ctor=diagonal, inverse_solver=[None, lx.Cholesky()])
+    with pytest.raises(ValueError, match="no block takes a solver"):
+        _estimator(problem, layer_tag_to_block_ctor=diagonal, inverse_solver=lx.Cholesky())
+    # (The run-time type checks of the test suite may report wrong types before our checks do.)
+    with pytest.raises(TypeError, match="inverse_solver"):
+        _estimator(problem, inverse_solver=["cholesky", None])
+    with pytest.raises(TypeError, match="inverse_solver"):
+        kfac_preconditioner(problem.loss_fn, problem.func_args, damping=0.1, inverse_solver=1.0)
+    with pytest.raises(TypeError, match="block 0 .*is a str, not a lineax solver"):
+        _estimator(problem, inverse_solver=lambda block: "cholesky")
+
+
+@pytest.mark.parametrize("inverse_update_period", [1, 2])
+def test_preconditioner_with_cholesky_matches_default_exact(getkey, inverse_update_period):
+    problem = mlp_classification(getkey(), sizes=(3, 4, 3), batch=6)
+    keys = jax.random.split(getkey(), 3)
+    batches = [(jax.random.normal(k, problem.batch[0].shape), problem.batch[1]) for k in keys]
+    kwargs = dict(
+        damping=0.05, use_exact_inverses=True, inverse_update_period=inverse_update_period,
+        estimation_mode="ggn_exact",
+    )
+    transforms = [
+        kfac_preconditioner(problem.loss_fn, problem.func_args, **kwargs),
+        kfac_preconditioner(
+            problem.loss_fn, problem.func_args, inverse_solver=lx.Cholesky(), **kwargs
+        ),
+    ]
+    params = eqx.filter(problem.params, eqx.is_inexact_array)
+    states = [t.init(params) for t in transforms]
+    for batch in batches:
+        grads = eqx.filter_grad(problem.loss_fn)(problem.params, batch)
+        outputs = [
+            eqx.filter_jit(t.update)(grads, s, params, batch=batch)
+            for t, s in zip(transforms, states)
+        ]
+        _close(flat_params(outputs[1][0])[0], flat_params(outputs[0][0])[0])
+        states = [s for _, s in outputs]
