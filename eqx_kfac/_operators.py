@@ -532,8 +532,7 @@ def pi_adjusted_damped_factors(
     return tuple(jnp.where(positive, r, z) for r, z in zip(regular, zero_case))
 
 
-def _floored_eigh_inverse(matrix: Array, inverse: Array) -> Array:
-    del inverse
+def _floored_eigh_inverse(matrix: Array) -> Array:
     vals, vecs = _guarded_eigh(matrix)
     finfo = jnp.finfo(matrix.dtype)
     floor = finfo.eps * matrix.shape[0] * jnp.max(jnp.abs(vals), initial=0.0) + finfo.tiny
@@ -572,16 +571,27 @@ def _block_spd_inverse(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
     return jnp.block([[top_left, -p], [-p.T, s_inv]])
 
 
-def _psd_inverse(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
-    matrix = _symmetrise(matrix)
-    inverse = _block_spd_inverse(matrix)
-    finite = jnp.all(jnp.isfinite(inverse))
-    return jax.lax.cond(finite, lambda m, i: i, _floored_eigh_inverse, matrix, inverse)
+def _damped_inverses(factors: tuple[Array, ...], damping: Array) -> tuple[Array, ...]:
+    """The inverses of the pi-adjusted damped factors, with the floored-eigenvalue fallback."""
+    inverses = tuple(
+        _block_spd_inverse(_symmetrise(d)) for d in pi_adjusted_damped_factors(factors, damping)
+    )
+
+    def fallback(factors, damping, inverses):
+        damped = pi_adjusted_damped_factors(factors, damping)
+        return tuple(
+            jnp.where(jnp.all(jnp.isfinite(i)), i, _floored_eigh_inverse(_symmetrise(d)))
+            for d, i in zip(damped, inverses)
+        )
+
+    # The branch operands are the raw factors, not the damped ones: the damped factors are
+    # consumed by the inversion as they are computed, and handing them to `cond` too would
+    # materialise them (a copy of every factor in every refresh, measured 2.5 ms per 1000²).
+    finite = ft.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(i)) for i in inverses])
+    return jax.lax.cond(finite, lambda f, d, i: i, fallback, factors, damping, inverses)
 
 
 def _psd_matpower(matrix: Float[Array, "n n"], power: float) -> Float[Array, "n n"]:
-    if power == -1:
-        return _psd_inverse(matrix)
     vals, vecs = _guarded_eigh(matrix)
     return (vecs * jnp.maximum(vals, 0.0) ** power) @ vecs.T
 
@@ -594,9 +604,9 @@ def pi_adjusted_inverse(
     """The pi-adjusted approximation of `(f_1 ⊗ ... ⊗ f_k + λI)^p`, as a Kronecker operator.
 
     This is `⊗_i D_i^p` with `D_i` from `pi_adjusted_damped_factors`; for two factors and `p = -1`,
-    `(A + π√λ I)⁻¹ ⊗ (G + √λ/π I)⁻¹`. The inverse uses a Cholesky factorisation, falling back to
-    an eigendecomposition with floored eigenvalues when that is not finite; other powers use the
-    eigendecomposition. The result is PSD-tagged and can be cached and applied with `.mv`.
+    `(A + π√λ I)⁻¹ ⊗ (G + √λ/π I)⁻¹`. The inverse uses block elimination with Cholesky
+    factorisations at the leaves, falling back to an eigendecomposition with floored eigenvalues
+    when that is not finite; other powers use the eigendecomposition. The result is PSD-tagged and can be cached and applied with `.mv`.
 
     **Arguments:**
 
@@ -608,10 +618,13 @@ def pi_adjusted_inverse(
 
     A `KroneckerOperator` with one factor per input factor.
     """
-    damped = pi_adjusted_damped_factors(operator, damping)
-    return KroneckerOperator(
-        tuple(_psd_matpower(d, power) for d in damped), lx.positive_semidefinite_tag
-    )
+    if power == -1:
+        factors = operator.factors if isinstance(operator, KroneckerOperator) else operator
+        powered = _damped_inverses(tuple(jnp.asarray(f) for f in factors), jnp.asarray(damping))
+    else:
+        damped = pi_adjusted_damped_factors(operator, damping)
+        powered = tuple(_psd_matpower(d, power) for d in damped)
+    return KroneckerOperator(powered, lx.positive_semidefinite_tag)
 
 
 # Lineax solvers

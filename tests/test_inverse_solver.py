@@ -255,3 +255,44 @@ def test_preconditioner_with_cholesky_matches_default_exact(getkey, inverse_upda
         ]
         _close(flat_params(outputs[1][0])[0], flat_params(outputs[0][0])[0])
         states = [s for _, s in outputs]
+
+
+def _optimizer(**kwargs):
+    problem = mlp_classification(jax.random.key(0))
+    opt = eqx_kfac.Optimizer(eqx.filter_value_and_grad(problem.loss_fn), l2_reg=1e-3,
+                             num_burnin_steps=0, inverse_update_period=2, **kwargs)
+    return problem, opt
+
+
+def test_optimizer_with_cholesky_solver_matches_exact_inverses():
+    problem, exact = _optimizer(use_exact_inverses=True)
+    _, cholesky = _optimizer(inverse_solver=lx.Cholesky())
+    runs = []
+    for opt in (exact, cholesky):
+        params = problem.params
+        state = opt.init(params, jax.random.key(1), problem.batch)
+        # A constant damping: cached exact inverses take the damping of each step, cached
+        # solver states that of their refresh.
+        for i in range(3):
+            params, state, stats = opt.step(params, state, jax.random.key(i), batch=problem.batch,
+                                            learning_rate=0.5, momentum=0.3, damping=0.1)
+            assert not bool(stats["skipped"])
+        runs.append(flat_params(params)[0])
+    _close(runs[1], runs[0])
+
+
+def test_failed_cache_refresh_keeps_the_previous_cache():
+    # A hugely negative damping makes `K + λI` indefinite: the Cholesky refresh at step 2 fails
+    # (non-finite state), the step keeps the cache of step 0 and takes a finite step with it.
+    problem, opt = _optimizer(inverse_solver=lx.Cholesky())
+    params = problem.params
+    state = opt.init(params, jax.random.key(1), problem.batch)
+    caches = []
+    for i, damping in enumerate((0.1, 0.1, -1e6)):
+        params, state, stats = opt.step(params, state, jax.random.key(i), batch=problem.batch,
+                                        learning_rate=0.5, momentum=0.0, damping=damping)
+        caches.append([b.cache for b in state.estimator_state.block_states])
+    assert not bool(stats["skipped"])
+    assert np.all(np.isfinite(flat_params(params)[0]))
+    for before, after in zip(jax.tree.leaves(caches[1]), jax.tree.leaves(caches[2])):
+        np.testing.assert_array_equal(np.asarray(before), np.asarray(after))

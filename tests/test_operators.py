@@ -418,18 +418,18 @@ def test_block_spd_inverse_matches_numpy(seed, n):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, n + 3))
     matrix = x @ x.T / n + 1e-2 * np.eye(n)
-    inverse = O._psd_inverse(jnp.asarray(matrix))
+    inverse = O.pi_adjusted_inverse([jnp.asarray(matrix)], 0.0).factors[0]
     np.testing.assert_allclose(np.asarray(inverse) @ matrix, np.eye(n), atol=1e-9)
     np.testing.assert_allclose(inverse, np.linalg.inv(matrix), rtol=1e-8, atol=1e-10)
 
 
-def test_psd_inverse_of_singular_matrix_falls_back_to_floored_eigenvalues():
+def test_inverse_of_large_singular_matrix_falls_back_to_floored_eigenvalues():
     # Rank deficient and above the leaf size: a leaf's Cholesky breaks down inside the block
     # recursion, and the floored eigendecomposition gives a generalised inverse (A X A = A).
     x = np.random.default_rng(0).standard_normal((300, 5))
     a = x @ x.T
     assert not np.all(np.isfinite(np.asarray(O._block_spd_inverse(jnp.asarray(a)))))
-    inverse = np.asarray(O._psd_inverse(jnp.asarray(a)))
+    inverse = np.asarray(O.pi_adjusted_inverse([jnp.asarray(a)], 0.0).factors[0])
     assert np.all(np.isfinite(inverse))
     np.testing.assert_allclose(inverse, inverse.T, atol=1e-10 * np.abs(inverse).max())
     assert np.linalg.eigvalsh(inverse).min() > 0

@@ -22,7 +22,6 @@ ratios to Adam.
 """
 
 import argparse
-import functools
 import statistics
 import time
 
@@ -110,8 +109,7 @@ def main():
 
     adam = optax.adam(1e-3)
 
-    # Parameters and state donated, as kfac-jax's step donates them.
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @jax.jit
     def adam_step(params, opt_state, batch):
         value, grads = jax.value_and_grad(loss)(params, batch)
         updates, opt_state = adam.update(grads, opt_state, params)
