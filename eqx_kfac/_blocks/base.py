@@ -601,6 +601,11 @@ class CurvatureBlock(eqx.Module):
             "`use_cached=True`."
         )
 
+    def _require_cache(self, cache: dict[str, Any], key: str, what: str, argument: str) -> None:
+        """Raises `_missing_cache(what, argument)` unless `key` was declared in the cache."""
+        if key not in cache:
+            raise self._missing_cache(what, argument)
+
 
 def _unstack_block_diagonal(
     slices: Float[Array, "stack d d"], shapes: tuple[tuple[int, ...], ...]

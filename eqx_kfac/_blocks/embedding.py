@@ -133,8 +133,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
                 cache["eigenvectors"] = eigh.eigenvectors
         for p in approx_powers:
             key = f"approx {power_key(p)}"
-            if key not in cache:
-                raise self._missing_cache(f"approximate power {p}", "approx_powers_to_cache")
+            self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
             cache[key] = self._pi_adjusted(state, identity_weight, float(p))
         return EmbeddingState(
             frequencies=state.frequencies, output_factor=state.output_factor, cache=cache
@@ -155,8 +154,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             return (a[:, None] * (table @ state.output_factor.value) + identity_weight * table,)
         if exact_power:
             if use_cached:
-                if "eigenvectors" not in state.cache:
-                    raise self._missing_cache(f"exact power {power}", "exact_powers_to_cache")
+                self._require_cache(state.cache, "eigenvectors", f"exact power {power}", "exact_powers_to_cache")
                 (vals,), (vecs,) = state.cache["eigenvalues"], state.cache["eigenvectors"]
             else:
                 eigh = kronecker_eigh([state.output_factor.value])
@@ -166,8 +164,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             return (((table @ vecs) * scale) @ vecs.T,)
         if use_cached and power != 1:
             key = f"approx {power_key(power)}"
-            if key not in state.cache:
-                raise self._missing_cache(f"approximate power {power}", "approx_powers_to_cache")
+            self._require_cache(state.cache, key, f"approximate power {power}", "approx_powers_to_cache")
             diagonal, right = state.cache[key]
         else:
             diagonal, right = self._pi_adjusted(state, identity_weight, power)

@@ -146,8 +146,7 @@ class Full(CurvatureBlock):
         elif power == -1 and self.solver is not None:
             result = solver_inverse(self, state.cache, (matrix,), flat, identity_weight, use_cached)
         elif use_cached:
-            if "eigenvectors" not in state.cache:
-                raise self._missing_cache(f"power {power}", "exact_powers_to_cache")
+            self._require_cache(state.cache, "eigenvectors", f"power {power}", "exact_powers_to_cache")
             eigh = KroneckerEigh(
                 eigenvalues=(state.cache["eigenvalues"],),
                 eigenvectors=(state.cache["eigenvectors"],),
@@ -161,8 +160,7 @@ class Full(CurvatureBlock):
     def _eigenvalues(self, state: FullState, use_cached: bool) -> Array:
         if not use_cached:
             return kronecker_eigh([state.matrix.value]).eigenvalues[0]
-        if "eigenvalues" not in state.cache:
-            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
+        self._require_cache(state.cache, "eigenvalues", "eigenvalues", "cache_eigenvalues")
         return state.cache["eigenvalues"]
 
     def _to_dense(self, state: FullState) -> Array:

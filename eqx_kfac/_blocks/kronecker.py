@@ -176,8 +176,7 @@ class KroneckerFactored(CurvatureBlock):
                 cache["eigenvectors"] = eigh.eigenvectors
         for p in approx_powers:
             key = f"approx {power_key(p)}"
-            if key not in cache:
-                raise self._missing_cache(f"approximate power {p}", "approx_powers_to_cache")
+            self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
             cache[key] = pi_adjusted_inverse(factors, identity_weight, float(p)).factors
         return KroneckerState(factors=state.factors, cache=cache)
 
@@ -200,8 +199,7 @@ class KroneckerFactored(CurvatureBlock):
             result = pi_adjusted_inverse(factors, identity_weight, 1.0).mv(array)
         elif exact_power:
             if use_cached:
-                if "eigenvectors" not in state.cache:
-                    raise self._missing_cache(f"exact power {power}", "exact_powers_to_cache")
+                self._require_cache(state.cache, "eigenvectors", f"exact power {power}", "exact_powers_to_cache")
                 eigh = KroneckerEigh(
                     eigenvalues=state.cache["eigenvalues"],
                     eigenvectors=state.cache["eigenvectors"],
@@ -211,8 +209,7 @@ class KroneckerFactored(CurvatureBlock):
             result = kronecker_damped_matpower(eigh, array, identity_weight, power)
         elif use_cached:
             key = f"approx {power_key(power)}"
-            if key not in state.cache:
-                raise self._missing_cache(f"approximate power {power}", "approx_powers_to_cache")
+            self._require_cache(state.cache, key, f"approximate power {power}", "approx_powers_to_cache")
             result = KroneckerOperator(state.cache[key]).mv(array)
         else:
             result = pi_adjusted_inverse(factors, identity_weight, float(power)).mv(array)
