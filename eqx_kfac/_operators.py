@@ -13,7 +13,8 @@ finite input comes back non-finite (a known failure of some GPU solvers), it is 
 factor shifted by a small multiple of its scale, and the shift is subtracted from the eigenvalues.
 Inverses of damped factors use block elimination with Cholesky factorisations at the leaves;
 if one comes back non-finite (singular or indefinite by rounding), the inverse is taken from
-the eigendecomposition with eigenvalues floored at a relative epsilon (that is, more damping). Non-finite input has no sane answer and yields non-finite output, which
+the eigendecomposition with eigenvalues floored at a relative epsilon (that is, more damping).
+Non-finite input has no sane answer and yields non-finite output, which
 `lineax.linear_solve` reports as a failed solve.
 """
 
@@ -606,7 +607,8 @@ def pi_adjusted_inverse(
     This is `⊗_i D_i^p` with `D_i` from `pi_adjusted_damped_factors`; for two factors and `p = -1`,
     `(A + π√λ I)⁻¹ ⊗ (G + √λ/π I)⁻¹`. The inverse uses block elimination with Cholesky
     factorisations at the leaves, falling back to an eigendecomposition with floored eigenvalues
-    when that is not finite; other powers use the eigendecomposition. The result is PSD-tagged and can be cached and applied with `.mv`.
+    when that is not finite; other powers use the eigendecomposition. The result is PSD-tagged
+    and can be cached and applied with `.mv`.
 
     **Arguments:**
 

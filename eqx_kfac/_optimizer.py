@@ -39,7 +39,6 @@ from ._optimizer_compiled import (
     jitted_burnin,
     periodic,
     select_changed,
-    tree_select,
 )
 from ._optimizer_config import (
     EstimatorCache,
@@ -546,7 +545,7 @@ class Optimizer(eqx.Module):
             return out
         # A skipped step must leave the state as it was before the burn-in too.
         stats = out[-1]
-        return (*out[:1], tree_select(stats["skipped"], original, out[1]), *out[2:])
+        return (*out[:1], select_changed(stats["skipped"], original, out[1]), *out[2:])
 
     # --- the compiled parts -----------------------------------------------------------------
 

@@ -24,12 +24,6 @@ from . import _distributed
 # In-graph control flow of the step
 
 
-def tree_select(pred: Array, on_true: Any, on_false: Any) -> Any:
-    return jax.tree.map(
-        lambda a, b: jnp.where(pred, a, b) if eqx.is_array(a) else a, on_true, on_false
-    )
-
-
 def select_changed(pred: Array | None, new: Any, old: Any) -> Any:
     """`new` where `pred`, else `old`, selecting only the leaves that changed (`None`: `new`)."""
     if pred is None:
@@ -44,7 +38,6 @@ def periodic(period: int, step: Array, fn: Callable[[Any], Any], value: Any) -> 
     if period == 1:
         return fn(value)
     return jax.lax.cond(step % period == 0, fn, lambda v: v, value)
-
 
 
 def burnin_keys(rng: PRNGKeyArray, num: int) -> Array:

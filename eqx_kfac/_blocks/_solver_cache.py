@@ -130,23 +130,37 @@ def zero_solver_state(
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def solver_state(
-    solver: lx.AbstractLinearSolver, factors: Sequence[Array], identity_weight: ArrayLike
-) -> PyTree[Array]:
-    """The array part of `solver.init(K + λ·I, {})`, to be stored by `update_cache`.
+def _require_solver_state(block: CurvatureBlock, cache: dict[str, Any]) -> None:
+    block._require_cache(
+        cache,
+        SOLVER_CACHE_KEY,
+        f"state of its solver {type(block.solver).__name__} (power -1)",
+        "exact_powers_to_cache",
+    )
+
+
+def store_solver_state(
+    block: CurvatureBlock,
+    cache: dict[str, Any],
+    factors: Sequence[Array],
+    identity_weight: ArrayLike,
+) -> None:
+    """Stores the array part of `block.solver.init(K + λ·I, {})` in `cache` (`update_cache`).
 
     **Arguments:**
 
-    - `solver`: a lineax solver.
+    - `block`: a block with a `solver` field that is not `None` (named in errors).
+    - `cache`: the slice's new cache dict, which `init` must have given the solver's key.
     - `factors`: the current Kronecker factors.
     - `identity_weight`: the damping `λ` frozen into the cache.
 
     **Returns:**
 
-    The state's array part, structured like `zero_solver_state`'s result.
+    Nothing; `cache` holds the state's array part, structured like `zero_solver_state`'s result.
     """
-    dynamic, _ = eqx.partition(_full_state(solver, factors, identity_weight), eqx.is_array)
-    return dynamic
+    _require_solver_state(block, cache)
+    state = _full_state(block.solver, factors, identity_weight)
+    cache[SOLVER_CACHE_KEY], _ = eqx.partition(state, eqx.is_array)
 
 
 def solver_inverse(
@@ -176,10 +190,7 @@ def solver_inverse(
     solver = block.solver
     operator = damped_kronecker(factors, identity_weight)
     if use_cached:
-        if SOLVER_CACHE_KEY not in cache:
-            raise block._missing_cache(
-                f"state of its solver {type(solver).__name__} (power -1)", "exact_powers_to_cache"
-            )
+        _require_solver_state(block, cache)
         _, static = _state_split(solver, [f.shape[0] for f in factors], factors[0].dtype)
         state = eqx.combine(cache[SOLVER_CACHE_KEY], static)
         solution = lx.linear_solve(operator, operand, solver, state=state, throw=False)

@@ -20,8 +20,8 @@ from ._layer_stats import (
 from ._solver_cache import (
     SOLVER_CACHE_KEY,
     solver_inverse,
-    solver_state,
     solver_takes_inverse,
+    store_solver_state,
     zero_solver_state,
 )
 from .base import (
@@ -113,15 +113,11 @@ class Full(CurvatureBlock):
             raise self._missing_cache(f"powers {powers}", "exact_powers_to_cache")
         if eigenvalues and "eigenvalues" not in state.cache:
             raise self._missing_cache("eigenvalues", "cache_eigenvalues")
-        if inverse and SOLVER_CACHE_KEY not in state.cache:
-            raise self._missing_cache("solver state for power -1", "exact_powers_to_cache")
         if not (powers or eigenvalues or inverse):
             return state
         cache = dict(state.cache)
         if inverse:
-            cache[SOLVER_CACHE_KEY] = solver_state(
-                self.solver, (state.matrix.value,), identity_weight
-            )
+            store_solver_state(self, cache, (state.matrix.value,), identity_weight)
         if powers or eigenvalues:
             eigh = kronecker_eigh([state.matrix.value])
             cache["eigenvalues"] = eigh.eigenvalues[0]

@@ -27,8 +27,8 @@ from ._layer_stats import (
 from ._solver_cache import (
     SOLVER_CACHE_KEY,
     solver_inverse,
-    solver_state,
     solver_takes_inverse,
+    store_solver_state,
     zero_solver_state,
 )
 from .base import (
@@ -160,15 +160,13 @@ class KroneckerFactored(CurvatureBlock):
             self.solver, exact_powers, approx_powers
         )
         cache = dict(state.cache)
-        if inverse and SOLVER_CACHE_KEY not in cache:
-            raise self._missing_cache("solver state for power -1", "exact_powers_to_cache")
         if exact_powers and "eigenvectors" not in cache:
             raise self._missing_cache(f"exact powers {exact_powers}", "exact_powers_to_cache")
         if eigenvalues and "eigenvalues" not in cache:
             raise self._missing_cache("eigenvalues", "cache_eigenvalues")
         factors = self._factor_values(state)
         if inverse:
-            cache[SOLVER_CACHE_KEY] = solver_state(self.solver, factors, identity_weight)
+            store_solver_state(self, cache, factors, identity_weight)
         if exact_powers or eigenvalues:
             eigh = kronecker_eigh(factors)
             cache["eigenvalues"] = eigh.eigenvalues
