@@ -541,9 +541,11 @@ def _floored_eigh_inverse(matrix: Array) -> Array:
     return (vecs / vals) @ vecs.T
 
 
-# Below this size a Cholesky solve against the identity is fastest; above it the block recursion
-# (mostly matrix products) is about twice as fast on CPU.
-_BLOCK_INVERSE_LEAF = 256
+# Leaves are at most this size: LAPACK's triangular solves (OpenBLAS, through jaxlib) start
+# OpenBLAS's own threads from 32 rows on, and those threads spin for ~0.1 s after each call,
+# taking a core from XLA's thread pool for the rest of the step (measured: a refresh with
+# 256-leaves cost 150 ms inside the step against 90 ms alone). Below 32 they stay on one thread.
+_BLOCK_INVERSE_LEAF = 31
 
 
 def _matmul(a: Array, b: Array) -> Array:
@@ -556,26 +558,28 @@ def _block_spd_inverse(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
     With `M = [[A, B], [Bᵀ, C]]`, `S = C - Bᵀ A⁻¹ B` (the Schur complement, the same one a block
     Cholesky factorisation forms) and `P = A⁻¹ B S⁻¹`: `M⁻¹ = [[A⁻¹ + P (A⁻¹B)ᵀ, -P], [-Pᵀ, S⁻¹]]`.
     About `4/3 n³` flops, almost all in matrix products. A matrix that is not positive definite
-    yields non-finite entries (from a Cholesky factorisation at the leaves).
+    yields non-finite entries (from a Cholesky factorisation at the leaves). Only the upper
+    right off-diagonal blocks and the leaves' lower triangles are read, so a matrix symmetric up
+    to rounding needs no symmetrising, and the result is symmetric up to rounding.
     """
     n = matrix.shape[0]
     if n <= _BLOCK_INVERSE_LEAF:
-        eye = jnp.eye(n, dtype=matrix.dtype)
-        return jsl.cho_solve((jnp.linalg.cholesky(matrix), True), eye)
+        chol = jax.lax.linalg.cholesky(matrix, symmetrize_input=False)
+        return jsl.cho_solve((chol, True), jnp.eye(n, dtype=matrix.dtype))
     h = n // 2
     a, b, c = matrix[:h, :h], matrix[:h, h:], matrix[h:, h:]
     a_inv = _block_spd_inverse(a)
     a_inv_b = _matmul(a_inv, b)
-    s_inv = _block_spd_inverse(_symmetrise(c - _matmul(b.T, a_inv_b)))
+    s_inv = _block_spd_inverse(c - _matmul(b.T, a_inv_b))
     p = _matmul(a_inv_b, s_inv)
-    top_left = _symmetrise(a_inv + _matmul(p, a_inv_b.T))
+    top_left = a_inv + _matmul(p, a_inv_b.T)
     return jnp.block([[top_left, -p], [-p.T, s_inv]])
 
 
 def _damped_inverses(factors: tuple[Array, ...], damping: Array) -> tuple[Array, ...]:
     """The inverses of the pi-adjusted damped factors, with the floored-eigenvalue fallback."""
     inverses = tuple(
-        _block_spd_inverse(_symmetrise(d)) for d in pi_adjusted_damped_factors(factors, damping)
+        _block_spd_inverse(d) for d in pi_adjusted_damped_factors(factors, damping)
     )
 
     def fallback(factors, damping, inverses):

@@ -35,6 +35,7 @@ from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCu
 from ._estimators.base import default_batch_size_extractor
 from ._optimizer_compiled import (
     burnin_keys,
+    changed_leaves,
     compiled_step,
     jitted_burnin,
     periodic,
@@ -670,9 +671,11 @@ class Optimizer(eqx.Module):
                     return block_diagonal.update_cache(s, identity_weight, exact, approx)
 
             def update_cache(s):
-                # A failed factorisation keeps the previous (finite) cache.
+                # A failed factorisation keeps the previous (finite) cache. Only the refreshed
+                # leaves are checked: the statistics are already gated.
                 updated = new_cache(s)
-                keep = all_finite(updated) if finite is None else finite & all_finite(updated)
+                refreshed = all_finite(changed_leaves(updated, s))
+                keep = refreshed if finite is None else finite & refreshed
                 return select_changed(keep, updated, s)
 
             estimator_state = periodic(

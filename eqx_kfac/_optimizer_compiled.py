@@ -33,6 +33,12 @@ def select_changed(pred: Array | None, new: Any, old: Any) -> Any:
     )
 
 
+def changed_leaves(new: Any, old: Any) -> list[Array]:
+    """The array leaves of `new` that are not the same arrays as in `old` (same structure)."""
+    pairs = zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True)
+    return [a for a, b in pairs if eqx.is_array(a) and a is not b]
+
+
 def periodic(period: int, step: Array, fn: Callable[[Any], Any], value: Any) -> Any:
     """`fn(value)` on steps that are multiples of `period`, else `value` (no `cond` for period 1)."""
     if period == 1:
