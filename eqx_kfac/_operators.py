@@ -42,8 +42,11 @@ def _apply_along_axis(matrix: Array, x: Array, axis: int) -> Array:
     return jnp.moveaxis(out, 0, axis)
 
 
-def _apply_factors(factors: Sequence[Array], x: Array) -> Array:
-    for axis, factor in enumerate(factors):
+def apply_factors(
+    factors: Sequence[Array], x: Array, axes: Sequence[int] | None = None
+) -> Array:
+    """`(f_1 ⊗ ... ⊗ f_k)` applied to `x`, factor `i` along axis `axes[i]` (default: axis `i`)."""
+    for axis, factor in zip(range(len(factors)) if axes is None else axes, factors, strict=True):
         x = _apply_along_axis(factor, x, axis)
     return x
 
@@ -101,7 +104,7 @@ class KroneckerOperator(lx.AbstractLinearOperator):
         self.tags = _frozenset(tags)
 
     def mv(self, vector: Inexact[Array, "..."]) -> Inexact[Array, "..."]:
-        return _apply_factors(self.factors, vector)
+        return apply_factors(self.factors, vector)
 
     def as_matrix(self) -> Inexact[Array, "a b"]:
         return ft.reduce(jnp.kron, self.factors)
@@ -447,8 +450,8 @@ def kronecker_damped_matpower(
         scale = 1.0 / eigenvalues
     else:
         scale = eigenvalues**power
-    rotated = _apply_factors([q.T for q in eigh.eigenvectors], vector)
-    return _apply_factors(eigh.eigenvectors, scale * rotated)
+    rotated = apply_factors([q.T for q in eigh.eigenvectors], vector)
+    return apply_factors(eigh.eigenvectors, scale * rotated)
 
 
 def kronecker_damped_solve(

@@ -35,7 +35,6 @@ from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCu
 from ._estimators.base import default_batch_size_extractor
 from ._optimizer_compiled import (
     burnin_keys,
-    changed_leaves,
     compiled_step,
     jitted_burnin,
     periodic,
@@ -255,8 +254,8 @@ class Optimizer(eqx.Module):
           state and function state unchanged (the step counter too) and set `stats["skipped"]`.
           When only the update is not finite (a failed solve), the parameters, velocities,
           damping and counters are unchanged and `stats["skipped"]` is set; the curvature
-          statistics keep the (finite) batch. A cache refresh that is not finite keeps the
-          previous cache.
+          statistics keep the (finite) batch. A block whose `inverse_solver` factorisation
+          fails at a cache refresh keeps its previous solver state.
         - `curvature_update_period`: steps between curvature updates (keyword only).
         - `value_func`: the loss function itself (keyword only). By default it is recovered
           from `value_and_grad_func.__wrapped__` (set by `jax.value_and_grad`,
@@ -670,16 +669,12 @@ class Optimizer(eqx.Module):
                 def new_cache(s):
                     return block_diagonal.update_cache(s, identity_weight, exact, approx)
 
-            def update_cache(s):
-                # A failed factorisation keeps the previous (finite) cache. Only the refreshed
-                # leaves are checked: the statistics are already gated.
-                updated = new_cache(s)
-                refreshed = all_finite(changed_leaves(updated, s))
-                keep = refreshed if finite is None else finite & refreshed
-                return select_changed(keep, updated, s)
-
+            # Not refreshed on a skipped step. A refresh needs no select of its own (a copy of
+            # the whole cache): the built-in inverses fall back to a floored eigendecomposition
+            # and are finite for finite statistics, and a block whose solver factorisation fails
+            # keeps its previous solver state (`store_solver_state`).
             estimator_state = periodic(
-                self.inverse_update_period, step, update_cache, estimator_state
+                self.inverse_update_period, step, new_cache, estimator_state, gate=finite
             )
         precon_args = (
             estimator_state, grads, identity_weight, -1, self.use_exact_inverses,

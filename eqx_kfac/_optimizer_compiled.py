@@ -33,17 +33,15 @@ def select_changed(pred: Array | None, new: Any, old: Any) -> Any:
     )
 
 
-def changed_leaves(new: Any, old: Any) -> list[Array]:
-    """The array leaves of `new` that are not the same arrays as in `old` (same structure)."""
-    pairs = zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True)
-    return [a for a, b in pairs if eqx.is_array(a) and a is not b]
-
-
-def periodic(period: int, step: Array, fn: Callable[[Any], Any], value: Any) -> Any:
-    """`fn(value)` on steps that are multiples of `period`, else `value` (no `cond` for period 1)."""
-    if period == 1:
+def periodic(
+    period: int, step: Array, fn: Callable[[Any], Any], value: Any, gate: Array | None = None
+) -> Any:
+    """`fn(value)` on steps that are multiples of `period` and where `gate` holds (`None`:
+    always), else `value` (no `cond` for period 1 without a gate)."""
+    if period == 1 and gate is None:
         return fn(value)
-    return jax.lax.cond(step % period == 0, fn, lambda v: v, value)
+    due = step % period == 0
+    return jax.lax.cond(due if gate is None else due & gate, fn, lambda v: v, value)
 
 
 def burnin_keys(rng: PRNGKeyArray, num: int) -> Array:

@@ -180,19 +180,29 @@ def test_kronecker_eigenvalues_are_outer_products_of_factor_eigenvalues(seed):
 
 
 @settings(max_examples=10)
-@given(seed=seeds, damping=dampings)
-def test_approximate_inverse_is_pi_adjusted(seed, damping):
-    block = BLOCKS["kfac_out_in_bias"]()
-    state = make_state(block, seed)
+@given(
+    seed=seeds, damping=dampings,
+    layout=st.sampled_from(["in_out", "out_in"]), bias=st.booleans(), cached=st.booleans(),
+)
+def test_approximate_inverse_is_pi_adjusted(seed, damping, layout, bias, cached):
+    # `(A + π√λ I)⁻¹ X (G + √λ/π I)⁻¹` on the canonical `(in + 1, out)` arrangement `X` of the
+    # parameters (built here with numpy), whatever arrangement the block multiplies on.
+    block = DenseTwoKroneckerFactored(dense_spec(3, 2, bias=bias, layout=layout))
+    init = block.init(None, approx_powers_to_cache=-1)
+    state = _updated(block, init, jnp.asarray(seed, jnp.uint32))
+    if cached:
+        state = block.update_cache(state, damping, approx_powers=-1)
     a, g = (np.asarray(f.value) for f in state.factors)
     pi = np.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
     inv_a = np.linalg.inv(a + pi * np.sqrt(damping) * np.eye(a.shape[0]))
     inv_g = np.linalg.inv(g + np.sqrt(damping) / pi * np.eye(g.shape[0]))
     v = random_vector(block, jax.random.key(seed))
-    canonical = np.concatenate([np.asarray(v[0]).T, np.asarray(v[1])[None]], axis=0)
+    weight = np.asarray(v[0]) if layout == "in_out" else np.asarray(v[0]).T
+    canonical = np.concatenate([weight, np.asarray(v[1])[None]], axis=0) if bias else weight
     expected = inv_a @ canonical @ inv_g
-    result = matpower(block, state, v, damping, -1, exact=False)
-    close(result, (expected[:3].T, expected[3]))
+    expected_weight = expected[:3] if layout == "in_out" else expected[:3].T
+    result = matpower(block, state, v, damping, -1, exact=False, cached=cached)
+    close(result, (expected_weight, expected[3]) if bias else (expected_weight,))
 
 
 @pytest.mark.parametrize("name", ["kfac_stacked", "full_stacked"])

@@ -157,10 +157,16 @@ def store_solver_state(
     **Returns:**
 
     Nothing; `cache` holds the state's array part, structured like `zero_solver_state`'s result.
+    A factorisation that fails (a state that is not finite, e.g. Cholesky of an indefinite
+    `K + λI`) keeps the previous state.
     """
     _require_solver_state(block, cache)
     state = _full_state(block.solver, factors, identity_weight)
-    cache[SOLVER_CACHE_KEY], _ = eqx.partition(state, eqx.is_array)
+    new, _ = eqx.partition(state, eqx.is_array)
+    previous = cache[SOLVER_CACHE_KEY]
+    leaves = [x for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    cache[SOLVER_CACHE_KEY] = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, previous)
 
 
 def solver_inverse(

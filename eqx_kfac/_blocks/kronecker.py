@@ -14,6 +14,7 @@ from jaxtyping import Array, PyTree
 
 from .._layer_data import EstimationData, LayerSpec
 from .._operators import (
+    apply_factors,
     kronecker_damped_matpower,
     kronecker_eigh,
     KroneckerEigh,
@@ -101,6 +102,8 @@ class KroneckerFactored(CurvatureBlock):
       the canonical array (every entry moved, none created or dropped), such that the
       block's curvature on that array is `F_1 ⊗ ... ⊗ F_k` in row-major order;
     - `_array_to_params(array) -> tuple[Array, ...]`: its inverse;
+    - optionally `_params_to_product_array` / `_product_array_to_params`: an arrangement with
+      the factors' axes permuted that is cheaper to form (approximate powers use it);
     - `_factor_statistics(data, batch_size) -> tuple[Array, ...]`: this batch's factors
       `(n_i, n_i)`, already normalised (they are averaged as they are).
     """
@@ -119,6 +122,19 @@ class KroneckerFactored(CurvatureBlock):
     @abc.abstractmethod
     def _array_to_params(self, array: Array) -> tuple[Array, ...]:
         """Inverse of `_params_to_array`."""
+
+    def _params_to_product_array(self, vector: tuple[Array, ...]) -> tuple[Array, tuple[int, ...]]:
+        """The parameters as an array with factor `i` along axis `axes[i]`, and `axes`.
+
+        Approximate powers (one matrix per factor) are applied on this array. By default it is
+        the canonical array; a subclass can return a permutation of it that is cheaper to form
+        from the parameters (no transposed copy of a weight in each product).
+        """
+        return self._params_to_array(vector), tuple(range(len(self.factor_dims)))
+
+    def _product_array_to_params(self, array: Array) -> tuple[Array, ...]:
+        """Inverse of `_params_to_product_array`."""
+        return self._array_to_params(array)
 
     @abc.abstractmethod
     def _factor_statistics(self, data: EstimationData, batch_size: ArrayLike) -> tuple[Array, ...]:
@@ -187,8 +203,19 @@ class KroneckerFactored(CurvatureBlock):
         exact_power: bool,
         use_cached: bool,
     ) -> tuple[Array, ...]:
-        array = self._params_to_array(tuple(v.astype(self.dtype) for v in vector))
+        vector = tuple(v.astype(self.dtype) for v in vector)
         factors = self._factor_values(state)
+        if not exact_power and power != 1 and (power != -1 or self.solver is None):
+            # One matrix per factor, applied on the arrangement that is cheapest to form.
+            if use_cached:
+                key = f"approx {power_key(power)}"
+                self._require_cache(state.cache, key, f"approximate power {power}", "approx_powers_to_cache")
+                powered = state.cache[key]
+            else:
+                powered = pi_adjusted_inverse(factors, identity_weight, float(power)).factors
+            array, axes = self._params_to_product_array(vector)
+            return self._product_array_to_params(apply_factors(powered, array, axes))
+        array = self._params_to_array(vector)
         if power == -1 and self.solver is not None:
             result = solver_inverse(self, state.cache, factors, array, identity_weight, use_cached)
         elif power == 1 and exact_power:
@@ -205,12 +232,6 @@ class KroneckerFactored(CurvatureBlock):
             else:
                 eigh = kronecker_eigh(factors)
             result = kronecker_damped_matpower(eigh, array, identity_weight, power)
-        elif use_cached:
-            key = f"approx {power_key(power)}"
-            self._require_cache(state.cache, key, f"approximate power {power}", "approx_powers_to_cache")
-            result = KroneckerOperator(state.cache[key]).mv(array)
-        else:
-            result = pi_adjusted_inverse(factors, identity_weight, float(power)).mv(array)
         return self._array_to_params(result)
 
     def _eigenvalues(self, state: KroneckerState, use_cached: bool) -> Array:
@@ -281,6 +302,24 @@ class DenseTwoKroneckerFactored(KroneckerFactored):
         if has_bias:
             params += (array[n_in],)
         return params
+
+    # An `(out, in)` weight (`eqx.nn.Linear`) is used as it is, with the bias as an extra column:
+    # transposing it into the canonical `(in + 1, out)` array would copy it in every product.
+
+    def _params_to_product_array(self, vector: tuple[Array, ...]) -> tuple[Array, tuple[int, ...]]:
+        in_out, has_bias, _, _ = dense_layout(self.spec)
+        if in_out:
+            return super()._params_to_product_array(vector)
+        weight = vector[0]
+        if has_bias:
+            weight = jnp.concatenate([weight, vector[1][:, None]], axis=1)
+        return weight, (1, 0)
+
+    def _product_array_to_params(self, array: Array) -> tuple[Array, ...]:
+        in_out, has_bias, n_in, _ = dense_layout(self.spec)
+        if in_out:
+            return super()._product_array_to_params(array)
+        return (array[:, :n_in], array[:, n_in]) if has_bias else (array,)
 
     def _factor_statistics(self, data, batch_size) -> tuple[Array, ...]:
         _, has_bias, n_in, n_out = dense_layout(self.spec)
