@@ -759,8 +759,8 @@ class Optimizer(eqx.Module):
         if applied is None:
             skipped = jnp.zeros((), bool)
         else:
-            # The estimator state is gated already (curvature by `finite`, cache by its own
-            # finiteness): replacing it in `state` leaves nothing to select there.
+            # The estimator state is gated already (the statistics by `finite`, the cache refresh
+            # skipped unless `finite`): replacing it in `state` leaves nothing to select there.
             kept = eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
             new_state = select_changed(applied, new_state, kept)
             new_func_state = select_changed(finite, new_func_state, func_state)

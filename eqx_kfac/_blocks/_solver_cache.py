@@ -26,6 +26,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
 from .._operators import KroneckerOperator
+from .._quad_model import all_finite
 from .base import CurvatureBlock, power_key
 
 SolverChoice = (
@@ -164,8 +165,7 @@ def store_solver_state(
     state = _full_state(block.solver, factors, identity_weight)
     new, _ = eqx.partition(state, eqx.is_array)
     previous = cache[SOLVER_CACHE_KEY]
-    leaves = [x for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    finite = all_finite(new)
     cache[SOLVER_CACHE_KEY] = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, previous)
 
 
