@@ -18,7 +18,8 @@ Settings (both with `inverse_update_period=5`, `curvature_ema=0.95`, `l2_reg=1e-
 Methods run alternately (A B C A B C ...), `--steps-per-round` steps each (default 5: one inverse
 update and one damping update per round); the table gives the median over rounds of the per-step
 time and ratios to Adam. Peak memory is XLA's buffer assignment for one compiled step (arguments,
-outputs and temporaries: parameters, optimizer state, batch, intermediates). The breakdown times every piece of the step alone (each jitted):
+outputs and temporaries: parameters, optimizer state, batch, intermediates), for kfac-jax's
+step too when it runs. The breakdown times every piece of the step alone (each jitted):
 the gradient, the curvature statistics, the preconditioning with cached inverses, the quadratic
 model's products, the inverses (divided by the period). The FLOP floor counts what a step must
 compute (2 flops per multiply-add) from the layer shapes; the achieved fraction is
@@ -261,14 +262,16 @@ def run_peer(venv, quick, rounds, steps, batch_size):
     if quick:
         cmd.append("--quick")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    times = {}
+    times, mib = {}, {}
+    number = r"\s+([0-9.]+)"
     for line in out.splitlines():
-        match = re.match(r"^(adam|kfac_adaptive|kfac_fixed)\s+([0-9.]+)\s+([0-9.]+)$", line.strip())
+        match = re.match(r"^(adam|kfac_adaptive|kfac_fixed)" + 4 * number + "$", line.strip())
         if match:
             times[match.group(1)] = float(match.group(2)) / 1e3
+            mib[match.group(1)] = float(match.group(4))
     if set(times) != set(PEER_METHODS):
         raise RuntimeError(f"Could not parse the kfac-jax table:\n{out}")
-    return times
+    return times, mib
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -310,8 +313,9 @@ def main():
                 run(args.steps_per_round)
                 ours[m].append((time.perf_counter() - start) / args.steps_per_round)
         if args.peer_venv:
-            for m, t in run_peer(args.peer_venv, args.quick, max(2, rounds // blocks),
-                                 args.steps_per_round, args.batch_size).items():
+            peer_times, peer_mib = run_peer(args.peer_venv, args.quick, max(2, rounds // blocks),
+                                            args.steps_per_round, args.batch_size)
+            for m, t in peer_times.items():
                 peer[m].append(t)
     med = {m: statistics.median(ts) for m, ts in ours.items()}
     peer_med = {m: statistics.median(ts) for m, ts in peer.items() if ts}
@@ -331,6 +335,8 @@ def main():
         header += f"{'kfac-jax ms':>12}{'x Adam':>8}{'ours/kfac-jax':>14}"
     if memory:
         header += f"{'step MiB':>10}{'x Adam':>8}"
+    if peer_med:
+        header += f"{'kfac-jax MiB':>13}{'x Adam':>8}"
     print(header)
     for m in METHODS:
         floor_ratio = sum(floors[m].values()) / adam_flops if m in floors else 1.0
@@ -343,6 +349,8 @@ def main():
             line += " " * 34
         if memory:
             line += f"{memory[m] / 2**20:>10.0f}{memory[m] / memory['adam']:>8.2f}"
+        if peer_med and m in peer_mib:
+            line += f"{peer_mib[m]:>13.0f}{peer_mib[m] / peer_mib['adam']:>8.2f}"
         print(line)
 
     print("\nFLOP floor per step (GFLOP):")

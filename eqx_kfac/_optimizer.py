@@ -34,6 +34,7 @@ from ._blocks._solver_cache import check_solver_choice
 from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
 from ._estimators.base import default_batch_size_extractor
 from ._optimizer_compiled import (
+    apply_if,
     burnin_keys,
     compiled_step,
     jitted_burnin,
@@ -645,7 +646,7 @@ class Optimizer(eqx.Module):
 
             # Skipped with the step it belongs to (and repeated at the next step 0).
             first = step == 0 if finite is None else (step == 0) & finite
-            state = jax.lax.cond(first, burnin, lambda s: s, state)
+            state = apply_if(first, burnin, state)
 
         def update_curvature(estimator_state):
             updated = block_diagonal.update_curvature_matrix_estimate(

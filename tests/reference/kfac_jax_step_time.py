@@ -19,17 +19,38 @@ One round runs `--steps-per-round` consecutive steps (default 5 = one inverse-up
 round's mean includes exactly one inverse update and one damping update) of each method in turn
 (A B C A B C ...); the table reports the median over rounds of the per-step mean time, and
 ratios to Adam.
+
+`step MiB` is XLA's buffer assignment for one compiled step (arguments + outputs + temporaries -
+donated buffers), as `benchmarks/step_time.py` reports for ours. kfac-jax jits its private
+`Optimizer._step` when it is imported; this script captures that jitted function (by wrapping
+`jax.jit` during the import) to lower it with the arguments of a real step. The adaptive setting
+compiles one step that updates the damping and one that does not; the larger is reported.
 """
 
 import argparse
+import functools as ft
 import statistics
 import time
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import kfac_jax
 import optax
+
+_JITTED = {}
+_jax_jit = jax.jit
+
+
+def _capturing_jit(fun, *args, **kwargs):
+    jitted = _jax_jit(fun, *args, **kwargs)
+    _JITTED[getattr(fun, "__qualname__", "")] = jitted
+    return jitted
+
+
+jax.jit = _capturing_jit
+import kfac_jax  # noqa: E402  (its staged methods call jax.jit at import time)
+
+jax.jit = _jax_jit
 
 AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
 L2_REG = 1e-5
@@ -85,6 +106,23 @@ def make_kfac(loss, adaptive):
     return kfac_jax.Optimizer(**common), step_kwargs
 
 
+def compiled_bytes(lowered):
+    """Arguments + outputs + temporaries - donated (aliased) bytes of a lowered step."""
+    stats = lowered.compile().memory_analysis()
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def kfac_step_bytes(opt, carry, x, step_kwargs, adaptive):
+    """The larger of kfac-jax's compiled steps (with and without the damping update)."""
+    hyper = tuple(step_kwargs.get(k) for k in ("learning_rate", "momentum", "damping"))
+    step = _JITTED["Optimizer._step"]
+    return max(
+        compiled_bytes(step.lower(opt, carry[0], carry[1], carry[2], x, None, *hyper, True, damp))
+        for damp in ((False, True) if adaptive else (False,))
+    )
+
+
 def block(tree):
     return jax.tree.map(lambda a: a.block_until_ready(), tree)
 
@@ -124,6 +162,7 @@ def main():
         block(adam_carry[0])
 
     runners["adam"] = run_adam
+    memory = {"adam": lambda: compiled_bytes(adam_step.lower(adam_carry[0], adam_carry[1], x))}
 
     for name, adaptive in (("kfac_adaptive", True), ("kfac_fixed", False)):
         opt, step_kwargs = make_kfac(loss, adaptive)
@@ -138,6 +177,7 @@ def main():
             block(carry[0])
 
         runners[name] = run_kfac
+        memory[name] = ft.partial(kfac_step_bytes, opt, carry, x, step_kwargs, adaptive)
 
     # Compile every variant (kfac-jax compiles separately the steps that adapt the damping).
     for run in runners.values():
@@ -153,10 +193,12 @@ def main():
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; sizes {sizes}; "
           f"B={args.batch_size}; {rounds} rounds x {args.steps_per_round} steps (alternated)")
     adam_median = statistics.median(times["adam"])
-    print(f"{'method':<16}{'median ms/step':>16}{'x Adam':>10}")
+    mib = {name: f() / 2**20 for name, f in memory.items()}
+    print(f"{'method':<16}{'median ms/step':>16}{'x Adam':>10}{'step MiB':>10}{'x Adam':>8}")
     for name, ts in times.items():
         median = statistics.median(ts)
-        print(f"{name:<16}{1e3 * median:>16.2f}{median / adam_median:>10.2f}")
+        print(f"{name:<16}{1e3 * median:>16.2f}{median / adam_median:>10.2f}"
+              f"{mib[name]:>10.0f}{mib[name] / mib['adam']:>8.2f}")
 
 
 if __name__ == "__main__":
