@@ -9,6 +9,7 @@ the Equinox twin of `tests/reference/kfac_jax_step_time.py` (kfac-jax 0.0.8 + Ha
     python benchmarks/step_time.py                     # table
     python benchmarks/step_time.py --peer-venv /work/peervenv --plot breakdown.png
     python benchmarks/step_time.py --quick             # widths / 10, a smoke run
+    python benchmarks/step_time.py --hugepage-malloc   # glibc's malloc on huge pages (see below)
 
 Settings (both with `inverse_update_period=5`, `curvature_ema=0.95`, `l2_reg=1e-5`, no burn-in):
 - `kfac_adaptive`: adaptive learning rate, momentum and damping (initial 1.0, interval 5),
@@ -23,7 +24,9 @@ step too when it runs. The breakdown times every piece of the step alone (each j
 the gradient, the curvature statistics, the preconditioning with cached inverses, the quadratic
 model's products, the inverses (divided by the period). The FLOP floor counts what a step must
 compute (2 flops per multiply-add) from the layer shapes; the achieved fraction is
-`(floor FLOPs / our time) / (Adam FLOPs / Adam time)`.
+`(floor FLOPs / our time) / (Adam FLOPs / Adam time)`. `faults/step` counts the process's minor
+page faults per step: XLA's per-step scratch buffer is faulted in anew at every step under glibc's
+defaults, which `--hugepage-malloc` avoids (`use_hugepage_malloc`).
 """
 
 import argparse
@@ -31,6 +34,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 
 import equinox as eqx
@@ -40,6 +44,11 @@ import optax
 
 import eqx_kfac
 from eqx_kfac import _optimizer_compiled
+
+try:
+    import resource
+except ImportError:  # Windows has no `resource`: no page-fault counts
+    resource = None
 
 
 AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
@@ -263,15 +272,44 @@ def run_peer(venv, quick, rounds, steps, batch_size):
         cmd.append("--quick")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     times, mib = {}, {}
+    faults = {}
     number = r"\s+([0-9.]+)"
     for line in out.splitlines():
-        match = re.match(r"^(adam|kfac_adaptive|kfac_fixed)" + 4 * number + "$", line.strip())
+        match = re.match(r"^(adam|kfac_adaptive|kfac_fixed)" + 5 * number + "$", line.strip())
         if match:
             times[match.group(1)] = float(match.group(2)) / 1e3
             mib[match.group(1)] = float(match.group(4))
+            faults[match.group(1)] = float(match.group(6))
     if set(times) != set(PEER_METHODS):
         raise RuntimeError(f"Could not parse the kfac-jax table:\n{out}")
-    return times, mib
+    return times, mib, faults
+
+
+# --- allocator ------------------------------------------------------------------------------
+
+
+def minor_faults():
+    """The process's minor page faults so far (0 where `resource` is missing)."""
+    return 0 if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+# glibc (>= 2.35) reads its tunables when a process starts, so the script reruns itself.
+HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def use_hugepage_malloc():
+    """Reruns this script with `HUGEPAGE_TUNABLE` added to `GLIBC_TUNABLES` (unless it is set).
+
+    XLA allocates one scratch buffer per step for all its temporaries (60-80 MiB for the K-FAC
+    steps here). glibc serves blocks above 32 MiB with a fresh `mmap` and unmaps them when
+    freed, so every step faults the whole buffer in again, 4 KiB at a time. With the tunable,
+    malloc asks for transparent huge pages (2 MiB) on those blocks.
+    """
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if HUGEPAGE_TUNABLE in tunables.split(":"):
+        return
+    env = dict(os.environ, GLIBC_TUNABLES=":".join(t for t in (tunables, HUGEPAGE_TUNABLE) if t))
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -289,7 +327,14 @@ def main():
     parser.add_argument("--no-memory", action="store_true", help="skip the step-memory analysis")
     parser.add_argument("--breakdown-repeats", type=int, default=10)
     parser.add_argument("--plot", default=None, help="write a breakdown bar chart (PNG) here")
+    parser.add_argument(
+        "--hugepage-malloc", action="store_true",
+        help=f"rerun under GLIBC_TUNABLES={HUGEPAGE_TUNABLE} (kfac-jax too): transparent huge "
+             "pages for malloc's large blocks, such as XLA's per-step scratch buffer",
+    )
     args = parser.parse_args()
+    if args.hugepage_malloc:
+        use_hugepage_malloc()
     sizes = AUTOENCODER
     rounds = args.rounds
     if args.quick:
@@ -305,19 +350,25 @@ def main():
 
     blocks = args.peer_repeats if args.peer_venv else 1
     ours = {m: [] for m in METHODS}
+    faults = dict.fromkeys(METHODS, 0)
     peer = {m: [] for m in METHODS}
     for b in range(blocks):
         for _ in range(max(1, rounds // blocks)):
             for m, run in runners.items():
+                before = minor_faults()
                 start = time.perf_counter()
                 run(args.steps_per_round)
                 ours[m].append((time.perf_counter() - start) / args.steps_per_round)
+                faults[m] += minor_faults() - before
         if args.peer_venv:
-            peer_times, peer_mib = run_peer(args.peer_venv, args.quick, max(2, rounds // blocks),
-                                            args.steps_per_round, args.batch_size)
+            peer_times, peer_mib, peer_faults = run_peer(
+                args.peer_venv, args.quick, max(2, rounds // blocks), args.steps_per_round,
+                args.batch_size,
+            )
             for m, t in peer_times.items():
                 peer[m].append(t)
     med = {m: statistics.median(ts) for m, ts in ours.items()}
+    faults = {m: f / (len(ours[m]) * args.steps_per_round) for m, f in faults.items()}
     peer_med = {m: statistics.median(ts) for m, ts in peer.items() if ts}
 
     kfac_methods = ("kfac_adaptive", "kfac_fixed")
@@ -329,14 +380,16 @@ def main():
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores); sizes "
           f"{sizes}; B={args.batch_size}; {len(ours['adam'])} rounds x {args.steps_per_round} "
-          f"steps, alternated")
+          f"steps, alternated; malloc: "
+          f"{'GLIBC_TUNABLES=' + HUGEPAGE_TUNABLE if args.hugepage_malloc else 'glibc defaults'}")
     header = f"{'method':<15}{'ms/step':>9}{'x Adam':>8}{'floor x':>9}{'of floor':>9}"
     if peer_med:
         header += f"{'kfac-jax ms':>12}{'x Adam':>8}{'ours/kfac-jax':>14}"
     if memory:
         header += f"{'step MiB':>10}{'x Adam':>8}"
+    header += f"{'faults/step':>12}"
     if peer_med:
-        header += f"{'kfac-jax MiB':>13}{'x Adam':>8}"
+        header += f"{'kfac-jax MiB':>13}{'x Adam':>8}{'faults/step':>12}"
     print(header)
     for m in METHODS:
         floor_ratio = sum(floors[m].values()) / adam_flops if m in floors else 1.0
@@ -349,8 +402,10 @@ def main():
             line += " " * 34
         if memory:
             line += f"{memory[m] / 2**20:>10.0f}{memory[m] / memory['adam']:>8.2f}"
+        line += f"{faults[m]:>12.0f}"
         if peer_med and m in peer_mib:
             line += f"{peer_mib[m]:>13.0f}{peer_mib[m] / peer_mib['adam']:>8.2f}"
+            line += f"{peer_faults[m]:>12.0f}"
         print(line)
 
     print("\nFLOP floor per step (GFLOP):")

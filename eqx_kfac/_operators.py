@@ -29,6 +29,7 @@ import jax.scipy.linalg as jsl
 import lineax as lx
 from jaxtyping import Array, ArrayLike, Float, Inexact, PyTree
 
+from ._control_flow import apply_if
 from ._quad_model import all_finite
 
 
@@ -581,8 +582,11 @@ def _block_spd_inverse(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
     return jnp.block([[top_left, -p], [-p.T, s_inv]])
 
 
-def _damped_inverses(factors: tuple[Array, ...], damping: Array) -> tuple[Array, ...]:
-    """The inverses of the pi-adjusted damped factors, with the floored-eigenvalue fallback."""
+def _damped_inverses(
+    factors: tuple[Array, ...], damping: Array, in_place: bool = False
+) -> tuple[Array, ...]:
+    """The inverses of the pi-adjusted damped factors, with the floored-eigenvalue fallback
+    (in place with `apply_if` when `in_place`, else in a differentiable `cond`)."""
     inverses = tuple(
         _block_spd_inverse(d) for d in pi_adjusted_damped_factors(factors, damping)
     )
@@ -598,7 +602,31 @@ def _damped_inverses(factors: tuple[Array, ...], damping: Array) -> tuple[Array,
     # consumed by the inversion as they are computed, and handing them to `cond` too would
     # materialise them (a copy of every factor in every refresh, measured 2.5 ms per 1000²).
     finite = all_finite(inverses)
+    if in_place:
+        return apply_if(~finite, lambda i: fallback(factors, damping, i), inverses)
     return jax.lax.cond(finite, lambda f, d, i: i, fallback, factors, damping, inverses)
+
+
+def refreshed_inverse_factors(
+    factors: Sequence[Float[Array, "_ _"]], damping: ArrayLike
+) -> tuple[Float[Array, "_ _"], ...]:
+    """The factors of `pi_adjusted_inverse(factors, damping)`, for a cache refresh.
+
+    The same values, but the eigendecomposition fallback overwrites the failed inverses in
+    place (`apply_if`) instead of returning a second copy of them from a `cond` (4.5 MiB less
+    per step on the benchmark autoencoder). It cannot be reverse-differentiated.
+
+    **Arguments:**
+
+    - `factors`: the square PSD Kronecker factors.
+    - `damping`: `λ ≥ 0`, a scalar.
+
+    **Returns:**
+
+    One inverse per factor.
+    """
+    factors = tuple(jnp.asarray(f) for f in factors)
+    return _damped_inverses(factors, jnp.asarray(damping), in_place=True)
 
 
 def _psd_matpower(matrix: Float[Array, "n n"], power: float) -> Float[Array, "n n"]:

@@ -31,16 +31,10 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from . import _distributed
 from ._blocks._solver_cache import check_solver_choice
+from ._control_flow import apply_if, periodic, select_changed
 from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
 from ._estimators.base import default_batch_size_extractor
-from ._optimizer_compiled import (
-    apply_if,
-    burnin_keys,
-    compiled_step,
-    jitted_burnin,
-    periodic,
-    select_changed,
-)
+from ._optimizer_compiled import burnin_keys, compiled_step, jitted_burnin
 from ._optimizer_config import (
     EstimatorCache,
     OptimizerState as OptimizerState,

@@ -1,5 +1,4 @@
-"""The compiled entry points of `Optimizer.step` (jit, `shard_map`, buffer donation) and the
-step's in-graph control flow (periodic updates, gated selects).
+"""The compiled entry points of `Optimizer.step` (jit, `shard_map`, buffer donation).
 
 `Optimizer.step` calls `compiled_step`, which jits the pure `Optimizer._step` once per argument
 structure (Equinox's `filter_jit` cache), runs it under `shard_map` when `multi_device`, and
@@ -15,54 +14,9 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
 from . import _distributed
-
-
-# In-graph control flow of the step
-
-
-def select_changed(pred: Array | None, new: Any, old: Any) -> Any:
-    """`new` where `pred`, else `old`, selecting only the leaves that changed (`None`: `new`)."""
-    if pred is None:
-        return new
-    return jax.tree.map(
-        lambda a, b: jnp.where(pred, a, b) if eqx.is_array(a) and a is not b else a, new, old
-    )
-
-
-def apply_if(pred: Array, fn: Callable[[Any], Any], value: Any) -> Any:
-    """`fn(value)` where `pred`, else `value`, computed in place of `value`.
-
-    A `lax.cond` whose other branch returns its operand gets result buffers of its own, so the
-    old and the new value are both live; for the inverse refresh that is a second copy of the
-    whole curvature cache (measured: 10 MiB more per step on the benchmark autoencoder). A
-    `while_loop` that runs at most once carries the value in its own buffers instead. Unlike a
-    `cond` it cannot be reverse-differentiated, which the optimizer's step never is.
-    """
-
-    def once(carry):
-        due, v = carry
-        # A constant False (`zeros_like` keeps the predicate's device-varying type) lets XLA
-        # see that the loop ends after one trip: with `not due` in its place the step held
-        # 17 MiB more.
-        return jnp.zeros_like(due), fn(v)
-
-    return jax.lax.while_loop(lambda carry: carry[0], once, (jnp.asarray(pred), value))[1]
-
-
-def periodic(
-    period: int, step: Array, fn: Callable[[Any], Any], value: Any, gate: Array | None = None
-) -> Any:
-    """`fn(value)` on steps that are multiples of `period` and where `gate` holds (`None`:
-    always), else `value` (computed in place, see `apply_if`; unconditional for period 1
-    without a gate)."""
-    if period == 1 and gate is None:
-        return fn(value)
-    due = step % period == 0
-    return apply_if(due if gate is None else due & gate, fn, value)
 
 
 def burnin_keys(rng: PRNGKeyArray, num: int) -> Array:

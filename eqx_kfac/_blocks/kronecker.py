@@ -20,6 +20,7 @@ from .._operators import (
     KroneckerEigh,
     KroneckerOperator,
     pi_adjusted_inverse,
+    refreshed_inverse_factors,
 )
 from ._layer_stats import (
     check_dense_spec,
@@ -191,7 +192,10 @@ class KroneckerFactored(CurvatureBlock):
         for p in approx_powers:
             key = f"approx {power_key(p)}"
             self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
-            cache[key] = pi_adjusted_inverse(factors, identity_weight, float(p)).factors
+            if p == -1:
+                cache[key] = refreshed_inverse_factors(factors, identity_weight)
+            else:
+                cache[key] = pi_adjusted_inverse(factors, identity_weight, float(p)).factors
         return KroneckerState(factors=state.factors, cache=cache)
 
     def _multiply_matpower(

@@ -464,6 +464,10 @@ class AbstractCurvatureEstimator(eqx.Module):
     ) -> EstimatorState:
         """Recomputes every block's cached factorisations from its current statistics.
 
+        The cached approximate inverses (power -1) are computed in place of their failed
+        factorisations (a `while_loop`), so this cannot be reverse-differentiated; to
+        differentiate through a damped inverse, use `pi_adjusted_inverse`.
+
         **Arguments:**
 
         - `state`: the estimator's state.

@@ -25,10 +25,12 @@ donated buffers), as `benchmarks/step_time.py` reports for ours. kfac-jax jits i
 `Optimizer._step` when it is imported; this script captures that jitted function (by wrapping
 `jax.jit` during the import) to lower it with the arguments of a real step. The adaptive setting
 compiles one step that updates the damping and one that does not; the larger is reported.
+`faults/step` counts the process's minor page faults during the timed steps, per step.
 """
 
 import argparse
 import functools as ft
+import resource
 import statistics
 import time
 
@@ -184,21 +186,26 @@ def main():
         run(2 * args.steps_per_round)
 
     times = {name: [] for name in runners}
+    faults = dict.fromkeys(runners, 0)
     for _ in range(rounds):
         for name, run in runners.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             run(args.steps_per_round)
             times[name].append((time.perf_counter() - start) / args.steps_per_round)
+            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; sizes {sizes}; "
           f"B={args.batch_size}; {rounds} rounds x {args.steps_per_round} steps (alternated)")
     adam_median = statistics.median(times["adam"])
     mib = {name: f() / 2**20 for name, f in memory.items()}
-    print(f"{'method':<16}{'median ms/step':>16}{'x Adam':>10}{'step MiB':>10}{'x Adam':>8}")
+    print(f"{'method':<16}{'median ms/step':>16}{'x Adam':>10}{'step MiB':>10}{'x Adam':>8}"
+          f"{'faults/step':>13}")
     for name, ts in times.items():
         median = statistics.median(ts)
         print(f"{name:<16}{1e3 * median:>16.2f}{median / adam_median:>10.2f}"
-              f"{mib[name]:>10.0f}{mib[name] / mib['adam']:>8.2f}")
+              f"{mib[name]:>10.0f}{mib[name] / mib['adam']:>8.2f}"
+              f"{faults[name] / (rounds * args.steps_per_round):>13.0f}")
 
 
 if __name__ == "__main__":
