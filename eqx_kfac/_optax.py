@@ -19,6 +19,7 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._blocks import CurvatureBlock
 from ._blocks._solver_cache import check_solver_choice, SolverChoice
+from ._control_flow import periodic
 from ._estimators import BlockDiagonalCurvature, EstimatorState
 from ._estimators.base import default_batch_size_extractor, ESTIMATION_MODES
 from ._layer_data import LayerSpec
@@ -99,12 +100,6 @@ def _check_int(name: str, value: Any) -> int:
             f"`optax.inject_hyperparams`, list it in `static_args`."
         )
     return value
-
-
-def _on_period(period: int, count: Array, fn: Callable[[Any], Any], value: Any) -> Any:
-    if period == 1:
-        return fn(value)
-    return jax.lax.cond(count % period == 0, fn, lambda v: v, value)
 
 
 def kfac_preconditioner(
@@ -270,11 +265,11 @@ def kfac_preconditioner(
                 estimator_state, curvature_ema, 1.0, batch_size, key, func_args
             )
 
-        estimator_state = _on_period(
+        estimator_state = periodic(
             curvature_update_period, count, update_curvature, state.estimator_state
         )
         if use_cached:
-            estimator_state = _on_period(
+            estimator_state = periodic(
                 inverse_update_period,
                 count,
                 lambda s: estimator.update_cache(s, identity_weight, exact, approx),
