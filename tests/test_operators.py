@@ -340,6 +340,23 @@ def test_singular_damped_factor_falls_back_to_finite_inverse():
     np.testing.assert_allclose(a @ np.asarray(inverse) @ a, a, atol=1e-8)
 
 
+@pytest.mark.parametrize("singular", [False, True])
+def test_refreshed_inverse_factors_equal_pi_adjusted_inverse(singular):
+    # The cache refresh's path (fallback in place, a while_loop) against the public one (cond):
+    # the same computation, so equal to rounding, with and without a failed Cholesky.
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((40, 3 if singular else 60))
+    factors = [jnp.asarray(x @ x.T), jnp.asarray(_psd(rng, 5))]
+    damping = 0.0 if singular else 0.3
+    if singular:
+        assert not np.all(np.isfinite(np.asarray(O._block_spd_inverse(factors[0]))))
+    expected = O.pi_adjusted_inverse(factors, damping).factors
+    got = jax.jit(O.refreshed_inverse_factors)(factors, damping)
+    for g, e in zip(got, expected):
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, e, rtol=1e-8, atol=1e-10 * np.abs(e).max())
+
+
 def test_non_finite_eigh_is_retried(monkeypatch):
     real_eigh = jnp.linalg.eigh
     calls = []
