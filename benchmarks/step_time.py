@@ -271,8 +271,7 @@ def run_peer(venv, quick, rounds, steps, batch_size):
     if quick:
         cmd.append("--quick")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    times, mib = {}, {}
-    faults = {}
+    times, mib, faults = {}, {}, {}
     number = r"\s+([0-9.]+)"
     for line in out.splitlines():
         match = re.match(r"^(adam|kfac_adaptive|kfac_fixed)" + 5 * number + "$", line.strip())
@@ -352,6 +351,7 @@ def main():
     ours = {m: [] for m in METHODS}
     faults = dict.fromkeys(METHODS, 0)
     peer = {m: [] for m in METHODS}
+    peer_faults = {m: [] for m in METHODS}
     for b in range(blocks):
         for _ in range(max(1, rounds // blocks)):
             for m, run in runners.items():
@@ -361,12 +361,13 @@ def main():
                 ours[m].append((time.perf_counter() - start) / args.steps_per_round)
                 faults[m] += minor_faults() - before
         if args.peer_venv:
-            peer_times, peer_mib, peer_faults = run_peer(
+            peer_times, peer_mib, faults_of_run = run_peer(
                 args.peer_venv, args.quick, max(2, rounds // blocks), args.steps_per_round,
                 args.batch_size,
             )
             for m, t in peer_times.items():
                 peer[m].append(t)
+                peer_faults[m].append(faults_of_run[m])
     med = {m: statistics.median(ts) for m, ts in ours.items()}
     faults = {m: f / (len(ours[m]) * args.steps_per_round) for m, f in faults.items()}
     peer_med = {m: statistics.median(ts) for m, ts in peer.items() if ts}
@@ -405,7 +406,7 @@ def main():
         line += f"{faults[m]:>12.0f}"
         if peer_med and m in peer_mib:
             line += f"{peer_mib[m]:>13.0f}{peer_mib[m] / peer_mib['adam']:>8.2f}"
-            line += f"{peer_faults[m]:>12.0f}"
+            line += f"{statistics.mean(peer_faults[m]):>12.0f}"
         print(line)
 
     print("\nFLOP floor per step (GFLOP):")

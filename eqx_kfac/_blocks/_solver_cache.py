@@ -25,6 +25,7 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
+from .._control_flow import select_changed
 from .._operators import KroneckerOperator
 from .._quad_model import all_finite
 from .base import CurvatureBlock, power_key
@@ -164,9 +165,7 @@ def store_solver_state(
     _require_solver_state(block, cache)
     state = _full_state(block.solver, factors, identity_weight)
     new, _ = eqx.partition(state, eqx.is_array)
-    previous = cache[SOLVER_CACHE_KEY]
-    finite = all_finite(new)
-    cache[SOLVER_CACHE_KEY] = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, previous)
+    cache[SOLVER_CACHE_KEY] = select_changed(all_finite(new), new, cache[SOLVER_CACHE_KEY])
 
 
 def solver_inverse(
