@@ -20,6 +20,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Real
 
 from . import _tags
+from ._linalg import eigh
 from ._losses import _as_scalar, _check_inputs, CoefficientMode, LossFunction
 
 NegativeCurvature = Literal["warn", "clip", "raise"]
@@ -164,7 +165,7 @@ class CustomLoss(LossFunction):
             jax.hessian(self.loss_fn), outputs, self._flat_targets(self.targets)
         ).astype(self.dtype)
         hessians = (hessians + jnp.swapaxes(hessians, -1, -2)) / 2
-        values, vectors = jnp.linalg.eigh(hessians)
+        values, vectors = eigh(hessians)
         scale = jnp.max(jnp.abs(values), axis=-1, keepdims=True)
         relative = jnp.min(values / jnp.where(scale > 0, scale, 1), axis=-1)
         worst = jnp.min(relative, initial=0.0)

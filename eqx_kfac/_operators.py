@@ -25,11 +25,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsl
 import lineax as lx
 from jaxtyping import Array, ArrayLike, Float, Inexact, PyTree
 
 from ._control_flow import apply_if
+from ._linalg import eigh, spd_inverse
 from ._quad_model import all_finite
 
 
@@ -373,13 +373,13 @@ def _shifted_eigh(matrix: Array, vals: Array, vecs: Array) -> tuple[Array, Array
     # past solver breakdowns; it is removed from the eigenvalues afterwards.
     shift = 1e-6 * (jnp.max(jnp.abs(jnp.diagonal(matrix)), initial=0.0) + 1.0)
     eye = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
-    shifted_vals, shifted_vecs = jnp.linalg.eigh(matrix + shift * eye)
+    shifted_vals, shifted_vecs = eigh(matrix + shift * eye)
     return shifted_vals - shift, shifted_vecs
 
 
 def _guarded_eigh(matrix: Float[Array, "n n"]) -> tuple[Array, Array]:
     matrix = _symmetrise(matrix)
-    vals, vecs = jnp.linalg.eigh(matrix)
+    vals, vecs = eigh(matrix)
     finite = jnp.all(jnp.isfinite(vals)) & jnp.all(jnp.isfinite(vecs))
     # Module-level branches (no closures) let JAX reuse the compiled `cond` across calls.
     return jax.lax.cond(finite, _keep_eigh, _shifted_eigh, matrix, vals, vecs)
@@ -570,8 +570,7 @@ def _block_spd_inverse(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
     """
     n = matrix.shape[0]
     if n <= _BLOCK_INVERSE_LEAF:
-        chol = jax.lax.linalg.cholesky(matrix, symmetrize_input=False)
-        return jsl.cho_solve((chol, True), jnp.eye(n, dtype=matrix.dtype))
+        return spd_inverse(matrix)
     h = n // 2
     a, b, c = matrix[:h, :h], matrix[:h, h:], matrix[h:, h:]
     a_inv = _block_spd_inverse(a)

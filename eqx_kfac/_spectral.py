@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Float, Inexact
 
+from ._linalg import eigh
 from ._operators import (
     _damped_kronecker,
     _kron_vectors,
@@ -139,7 +140,7 @@ def eigenvalues(operator: lx.AbstractLinearOperator) -> Float[Array, " n"]:
         kron, damping = damped
         return eigenvalues(kron) + damping
     _require(lx.is_symmetric, operator, "eigenvalues", "symmetric", "symmetric_tag")
-    return jnp.linalg.eigvalsh(_symmetrise(operator.as_matrix()))
+    return eigh(_symmetrise(operator.as_matrix()))[0]
 
 
 @eigenvalues.register(KroneckerOperator)
@@ -147,7 +148,7 @@ def _(operator):
     _require(lx.is_symmetric, operator, "eigenvalues", "symmetric", "symmetric_tag")
     if lx.is_positive_semidefinite(operator):
         return _kron_vectors(kronecker_eigh(operator).eigenvalues)
-    return _kron_vectors([jnp.linalg.eigvalsh(_symmetrise(f)) for f in operator.factors])
+    return _kron_vectors([eigh(_symmetrise(f))[0] for f in operator.factors])
 
 
 @eigenvalues.register(BlockDiagonalOperator)

@@ -278,10 +278,13 @@ class CurvatureBlock(eqx.Module):
         """The dtype of the block's statistics (float32 or wider)."""
         return statistics_dtype(self.spec)
 
-    def _stacked(self, fn: Callable, *args: Any) -> Any:
+    def _stacked(self, fn: Callable, *args: Any, one_slice_at_a_time: bool = False) -> Any:
         """Calls the per-slice `fn(*args)`, vmapped over the stack axis for stacked layers.
 
-        Arguments that are not PyTrees of arrays with a leading stack axis must be closed over.
+        With `one_slice_at_a_time`, the slices are visited in a loop (`lax.map`) instead: a
+        lineax solver's factorisations would otherwise become batched LAPACK calls, which can
+        deadlock XLA's CPU thread pool (see `eqx_kfac._linalg`). Arguments that are not PyTrees
+        of arrays with a leading stack axis must be closed over.
         """
         if self.spec.stack_size is None:
             return fn(*args)
@@ -289,7 +292,14 @@ class CurvatureBlock(eqx.Module):
             # vmap needs a mapped input; a stateless slice is the same for every stack entry.
             size = self.spec.stack_size
             return jax.tree.map(lambda x: jnp.broadcast_to(x, (size, *x.shape)), fn(*args))
+        if one_slice_at_a_time:
+            return jax.lax.map(lambda a: fn(*a), args)
         return jax.vmap(fn)(*args)
+
+    def _factorises_with_solver(self, power: Power) -> bool:
+        """Whether power `power` goes through a lineax solver's factorisations: power -1 of a
+        block whose `solver` field (the families `Full` and `KroneckerFactored`) is set."""
+        return power == -1 and getattr(self, "solver", None) is not None
 
     def _check_vector(self, vector: Sequence[Array]) -> tuple[Array, ...]:
         vector = tuple(vector)
@@ -401,6 +411,7 @@ class CurvatureBlock(eqx.Module):
         return self._stacked(
             lambda s: self._update_cache(s, identity_weight, exact, approx, bool(eigenvalues)),
             state,
+            one_slice_at_a_time=self._factorises_with_solver(-1),
         )
 
     def multiply_matpower(
@@ -437,6 +448,7 @@ class CurvatureBlock(eqx.Module):
             ),
             state,
             vector,
+            one_slice_at_a_time=self._factorises_with_solver(power),
         )
 
     def multiply(

@@ -1,0 +1,120 @@
+"""Dense factorisations that never issue a batched LAPACK call, so they cannot deadlock.
+
+jaxlib's CPU kernels for batched LAPACK calls (`eigh`, Cholesky, triangular solves, ...) split
+the batch into chunks, schedule them on XLA's intra-op thread pool and block until they are done
+(`jax::ParallelBatchMap`). XLA runs independent operations of one program on the same pool, so when
+as many batched calls run at once as the pool has threads, every thread waits for chunks that no
+thread is left to run: the program hangs with no CPU use (measured on 2 cores: the first step of a
+scan-over-layers model, whose stacked factors make every refresh a batched `eigh`, hung in 2 runs
+out of 5). A call on a single matrix runs inline and never waits.
+
+The functions here therefore factorise one matrix at a time: leading batch axes are looped over
+with `lax.map`, and under `jax.vmap` the matrices are visited sequentially
+(`jax.custom_batching.sequential_vmap`) instead of becoming one batched call. Their derivatives
+are written out (`custom_jvp`) so that they stay differentiable in both modes, and the tangent
+computations use matrix products only.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+from jaxtyping import Array, Float
+
+
+def _one_matrix_at_a_time(fn: Callable[[Array], tuple[Array, ...]]) -> Callable[[Array], tuple[Array, ...]]:
+    """`fn` of one `(n, n)` matrix applied to `(..., n, n)`, one matrix per LAPACK call."""
+    sequential = jax.custom_batching.sequential_vmap(fn)
+
+    def apply(matrix: Array) -> tuple[Array, ...]:
+        if matrix.ndim == 2:
+            return sequential(matrix)
+        batch, n = matrix.shape[:-2], matrix.shape[-1]
+        outs = jax.lax.map(sequential, jnp.reshape(matrix, (-1, n, n)))
+        return tuple(jnp.reshape(o, batch + o.shape[1:]) for o in outs)
+
+    return apply
+
+
+def _raw_eigh(matrix: Array) -> tuple[Array, Array]:
+    values, vectors = jnp.linalg.eigh(matrix, symmetrize_input=False)
+    return values, vectors
+
+
+def _raw_spd_inverse(matrix: Array) -> tuple[Array]:
+    chol = jax.lax.linalg.cholesky(matrix, symmetrize_input=False)
+    eye = jnp.eye(matrix.shape[-1], dtype=matrix.dtype)
+    return (jsl.cho_solve((chol, True), eye),)
+
+
+_eigh_one_at_a_time = _one_matrix_at_a_time(_raw_eigh)
+_spd_inverse_one_at_a_time = _one_matrix_at_a_time(_raw_spd_inverse)
+
+
+def _transpose(x: Array) -> Array:
+    return jnp.swapaxes(x, -1, -2)
+
+
+@jax.custom_jvp
+def eigh(matrix: Float[Array, "*batch n n"]) -> tuple[Float[Array, "*batch n"], Float[Array, "*batch n n"]]:
+    """The eigendecomposition of symmetric matrices, one LAPACK call per matrix.
+
+    The same values as `jnp.linalg.eigh(matrix, symmetrize_input=False)` (the lower triangle is
+    read): ascending eigenvalues and orthonormal eigenvectors as columns. Leading batch axes and
+    `jax.vmap` loop over the matrices instead of making one batched LAPACK call (see the module
+    notes). The derivative is the usual one for distinct eigenvalues; the eigenvector tangents of
+    equal eigenvalues, where the eigenvectors are not unique, are taken as zero.
+
+    **Arguments:**
+
+    - `matrix`: symmetric matrices with any leading batch axes.
+
+    **Returns:**
+
+    `(eigenvalues, eigenvectors)`.
+    """
+    return _eigh_one_at_a_time(matrix)
+
+
+@eigh.defjvp
+def _eigh_jvp(primals, tangents):
+    (matrix,), (tangent,) = primals, tangents
+    values, vectors = eigh(matrix)
+    # Only the lower triangle is read: the tangent of the symmetric matrix it stands for.
+    lower = jnp.tril(tangent)
+    symmetric = lower + _transpose(jnp.tril(tangent, -1))
+    rotated = _transpose(vectors) @ symmetric @ vectors
+    gaps = values[..., None, :] - values[..., :, None]
+    inverse_gaps = jnp.where(gaps == 0, 0.0, 1.0 / jnp.where(gaps == 0, 1.0, gaps))
+    values_dot = jnp.diagonal(rotated, axis1=-2, axis2=-1)
+    vectors_dot = vectors @ (inverse_gaps * rotated)
+    return (values, vectors), (values_dot, vectors_dot)
+
+
+@jax.custom_jvp
+def spd_inverse(matrix: Float[Array, "*batch n n"]) -> Float[Array, "*batch n n"]:
+    """The inverse of symmetric positive definite matrices by Cholesky, one LAPACK call per matrix.
+
+    Only the lower triangle is read. A matrix that is not positive definite (up to rounding) gives
+    non-finite entries, which callers check. Leading batch axes and `jax.vmap` loop over the
+    matrices (see the module notes).
+
+    **Arguments:**
+
+    - `matrix`: symmetric positive definite matrices with any leading batch axes.
+
+    **Returns:**
+
+    Their inverses.
+    """
+    (inverse,) = _spd_inverse_one_at_a_time(matrix)
+    return inverse
+
+
+@spd_inverse.defjvp
+def _spd_inverse_jvp(primals, tangents):
+    (matrix,), (tangent,) = primals, tangents
+    inverse = spd_inverse(matrix)
+    symmetric = jnp.tril(tangent) + _transpose(jnp.tril(tangent, -1))
+    return inverse, -(inverse @ symmetric @ inverse)
