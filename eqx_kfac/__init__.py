@@ -23,11 +23,6 @@ from ._blocks import (
     ScaledIdentity as ScaledIdentity,
 )
 from ._custom_loss import CustomLoss as CustomLoss, register_custom_loss as register_custom_loss
-from ._embedding_tag import (
-    embedding_pattern as embedding_pattern,
-    embedding_tag as embedding_tag,
-    register_embedding as register_embedding,
-)
 from ._estimators import (
     AbstractCurvatureEstimator as AbstractCurvatureEstimator,
     BlockDiagonalCurvature as BlockDiagonalCurvature,
@@ -98,10 +93,12 @@ from ._solvers import (
     solve_block as solve_block,
 )
 from ._tags import (
+    embedding_tag as embedding_tag,
     LayerTag as LayerTag,
     LossTag as LossTag,
     register_conv2d as register_conv2d,
     register_dense as register_dense,
+    register_embedding as register_embedding,
     register_generic as register_generic,
     register_scale_and_shift as register_scale_and_shift,
 )

@@ -33,16 +33,17 @@ checks puts on replicated parameters, is looked through; the tag records the par
 value before `pvary`). Matching descends into `jit`, `jax.checkpoint` / `eqx.filter_checkpoint`,
 `custom_jvp` / `custom_vjp` functions and `scan` bodies.
 
-Parameters that no tag claims get a `generic` tag each. A parameter used in more than one place
-that the losses depend on (weight tying, a scan constant reused at every step) is never matched to
-a layer: it gets a generic tag with origin `"shared"` and a warning naming it, since a layer tag
-would only see one of its uses.
+Parameters that no tag claims get a `generic` tag each (origin `"unmatched"`). A parameter used in
+more than one place that the losses depend on (weight tying, a value carried from step to step of a
+scan) is never matched to a layer: it gets a generic tag with origin `"shared"`, since a layer tag
+would only see one of its uses. A scan's constant used by one layer inside the scan body is the
+same parameter at every step (a recurrent cell's weight): it is matched, and the tracer treats the
+steps like sequence positions. The estimators report the generic fallbacks (`on_unmatched`).
 
 The default patterns and the `GraphPattern` class live in `_graph_patterns`.
 """
 
 import functools
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
+from ._derivative_rules import registers_inside_rules, through_derivative_rules
 from ._graph_patterns import (
     DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS,
     GraphPattern as GraphPattern,
@@ -59,14 +61,15 @@ from ._graph_patterns import (
 )
 from ._jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, iter_eqns, subjaxprs
 from ._tags import (
-    LayerTag,
     conv2d_tag,
     dense_tag,
+    embedding_tag,
     generic_tag,
     is_loss_tag_eqn,
     layer_tag_of,
     register_conv2d,
     register_dense,
+    register_embedding,
     register_scale_and_shift,
     scale_and_shift_tag,
 )
@@ -97,6 +100,22 @@ class _Node:
         self.live_in = live_in
 
 
+_BROADCAST = jax.lax.broadcast_in_dim_p
+
+
+def _as_broadcast(eqn: JaxprEqn) -> tuple[Any, dict[str, Any]]:
+    """The equation's primitive and parameters, with a reshape that only appends unit axes
+    (`(c,) -> (c, 1, 1)`, e.g. `p.reshape(c, 1, 1)`) read as the broadcast that does the same
+    (`p[:, None, None]` emits that), so that both spellings match one pattern."""
+    if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
+        return eqn.primitive, dict(eqn.params)
+    shape, new = tuple(eqn.invars[0].aval.shape), tuple(eqn.params["new_sizes"])
+    if len(new) <= len(shape) or new != shape + (1,) * (len(new) - len(shape)):
+        return eqn.primitive, dict(eqn.params)
+    params = dict(shape=new, broadcast_dimensions=tuple(range(len(shape))), sharding=eqn.params.get("sharding"))
+    return _BROADCAST, params
+
+
 class _Graph:
     """Nodes of one jaxpr with producer and consumer maps.
 
@@ -123,12 +142,13 @@ class _Graph:
         for i, eqn in eqns:
             live_in = frozenset(range(len(eqn.invars))) if live is None else live[0][i]
             invars = [resolve(v) for v in eqn.invars]
-            node = _Node(eqn.primitive, dict(eqn.params), invars, list(eqn.outvars), (eqn,), live_in)
-            if eqn.primitive.name == "broadcast_in_dim" and len(eqn.invars) == 1:
-                node.params["broadcast_dimensions"] = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
+            primitive, params = _as_broadcast(eqn)
+            node = _Node(primitive, params, invars, list(eqn.outvars), (eqn,), live_in)
+            if primitive is _BROADCAST and len(eqn.invars) == 1:
+                node.params["broadcast_dimensions"] = tuple(int(d) for d in node.params["broadcast_dimensions"])
                 (src,) = invars
                 prev = self.producer.get(src) if isinstance(src, Var) else None
-                if prev is not None and prev[0].primitive is eqn.primitive and raw_uses[src] == 1:
+                if prev is not None and prev[0].primitive is _BROADCAST and raw_uses[src] == 1:
                     inner = prev[0]
                     dims = node.params["broadcast_dimensions"]
                     node.params["broadcast_dimensions"] = tuple(
@@ -186,6 +206,8 @@ class _PatternGraph:
         self.graph = _Graph(jaxpr)
         self.inputs = list(jaxpr.invars[:n_in])
         self.params = list(jaxpr.invars[n_in:])
+        # The parameters' dimensions: sizes a target may differ in (see `_Matcher._sizes_agree`).
+        self.sizes = frozenset(int(d) for v in self.params for d in v.aval.shape if d > 1)
         self.outvars = list(jaxpr.outvars)
         unused = [v for v in jaxpr.invars if v not in self.graph.consumers]
         if unused or len(self.outvars) != pattern.tag.num_outputs:
@@ -207,6 +229,17 @@ def _pattern_graphs(pattern: GraphPattern) -> tuple[_PatternGraph, ...]:
 
 _IGNORED_PARAMS = frozenset({"precision", "preferred_element_type", "out_sharding", "sharding"})
 _RANK_ONLY_PARAMS = frozenset({"shape", "new_sizes"})
+# Sizes compared like integer literals: equal, or a parameter dimension of the pattern that the
+# target's parameter has at the same place.
+_SIZE_PARAMS = frozenset({"slice_sizes"})
+
+
+def _is_size(value: Any, sizes: frozenset[int] | None) -> bool:
+    """Whether `value` is a non-negative integer scalar (among `sizes`, unless `None`)."""
+    value = np.asarray(value)
+    if value.shape != () or not np.issubdtype(value.dtype, np.integer) or value < 0:
+        return False
+    return sizes is None or int(value) in sizes
 _EXTRACTED_PARAMS = {
     "conv_general_dilated": frozenset({"window_strides", "padding", "lhs_dilation", "rhs_dilation"}),
 }
@@ -230,7 +263,7 @@ def _same_node_kind(p: _Node, t: _Node) -> bool:
         if key in skip:
             continue
         other = t.params[key]
-        if key in _RANK_ONLY_PARAMS:
+        if key in _RANK_ONLY_PARAMS or key in _SIZE_PARAMS:
             if value is None or other is None:
                 if value is not other:
                     return False
@@ -242,22 +275,28 @@ def _same_node_kind(p: _Node, t: _Node) -> bool:
 
 
 class _Binding:
-    """An immutable partial match: pattern variables and nodes to target ones."""
+    """An immutable partial match: pattern variables and nodes to target ones, and the pairs of
+    pattern and target sizes that differ (checked against the parameters' shapes at the end)."""
 
-    __slots__ = ("vars", "bound", "nodes")
+    __slots__ = ("vars", "bound", "nodes", "sizes")
 
-    def __init__(self, vars_=None, bound=None, nodes=None):
+    def __init__(self, vars_=None, bound=None, nodes=None, sizes=()):
         self.vars: dict[Var, Any] = vars_ or {}
         self.bound: frozenset = bound or frozenset()
         self.nodes: dict[int, _Node] = nodes or {}
+        self.sizes: tuple[tuple[int, int], ...] = sizes
 
     def bind_var(self, pv: Var, tv: Var) -> "_Binding | None":
         if tv in self.bound:
             return None
-        return _Binding({**self.vars, pv: tv}, self.bound | {tv}, self.nodes)
+        return _Binding({**self.vars, pv: tv}, self.bound | {tv}, self.nodes, self.sizes)
 
     def bind_node(self, pn: _Node, tn: _Node) -> "_Binding":
-        return _Binding(self.vars, self.bound, {**self.nodes, id(pn): tn})
+        return _Binding(self.vars, self.bound, {**self.nodes, id(pn): tn}, self.sizes)
+
+    def with_sizes(self, pairs: Iterable[tuple[int, int]]) -> "_Binding":
+        new = tuple((int(a), int(b)) for a, b in pairs if a != b)
+        return _Binding(self.vars, self.bound, self.nodes, self.sizes + new) if new else self
 
 
 class _Matcher:
@@ -275,9 +314,21 @@ class _Matcher:
         if len(node.outvars) <= pidx:
             return None
         for b in self._var(pout, node.outvars[pidx], _Binding()):
-            if all(pv in b.vars for pv in self.pg.outvars) and self._self_contained(b):
+            if all(pv in b.vars for pv in self.pg.outvars) and self._sizes_agree(b) and self._self_contained(b):
                 return b
         return None
+
+    def _sizes_agree(self, b: _Binding) -> bool:
+        """Whether every pattern size that differs in the target is a parameter dimension of the
+        pattern that the target's parameter has at the same place."""
+        if not b.sizes:
+            return True
+        pairs = {
+            (int(p_dim), int(t_dim))
+            for pv in self.pg.params
+            for p_dim, t_dim in zip(pv.aval.shape, b.vars[pv].aval.shape)
+        }
+        return all(pair in pairs for pair in b.sizes)
 
     def _self_contained(self, b: _Binding) -> bool:
         matched = {id(n) for n in b.nodes.values()}
@@ -295,8 +346,12 @@ class _Matcher:
 
     def _var(self, pv: Any, tv: Any, b: _Binding) -> Iterator[_Binding]:
         if isinstance(pv, Literal):
-            if isinstance(tv, Literal) and np.array_equal(np.asarray(pv.val), np.asarray(tv.val)):
+            if not isinstance(tv, Literal):
+                return
+            if np.array_equal(np.asarray(pv.val), np.asarray(tv.val)):
                 yield b
+            elif _is_size(pv.val, self.pg.sizes) and _is_size(tv.val, None):
+                yield b.with_sizes([(int(pv.val), int(tv.val))])
             return
         if isinstance(tv, Literal):
             return
@@ -334,6 +389,11 @@ class _Matcher:
         if id(tn) in self.claimed or any(n is tn for n in b.nodes.values()) or not _same_node_kind(pn, tn):
             return
         nb: _Binding | None = b.bind_node(pn, tn)
+        for key in _SIZE_PARAMS & pn.params.keys():
+            pairs = list(zip(pn.params[key], tn.params[key]))
+            if any(a != t and int(a) not in self.pg.sizes for a, t in pairs):
+                return
+            nb = nb.with_sizes(pairs)
         for pv, tv in zip(pn.outvars, tn.outvars):
             if pv.aval.ndim != tv.aval.ndim:
                 return
@@ -362,6 +422,7 @@ _CONV_KEYS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dime
 _VALIDATORS = {
     dense_tag: lambda m, ys, xs, ps: register_dense(*ys, *xs, *ps, weight_layout=m["weight_layout"]),
     conv2d_tag: lambda m, ys, xs, ps: register_conv2d(*ys, *xs, *ps, **{k: m[k] for k in _CONV_KEYS}),
+    embedding_tag: lambda m, ys, xs, ps: register_embedding(*ys, *xs, *ps),
     scale_and_shift_tag: lambda m, ys, xs, ps: register_scale_and_shift(
         *ys,
         *xs,
@@ -372,11 +433,30 @@ _VALIDATORS = {
 }
 
 
-def _fits_tag(tag: LayerTag, meta: dict[str, Any], ys: list[Var], xs: list[Var], ps: list[Var]) -> bool:
-    validator = _VALIDATORS.get(tag)
+def _to_tag_layout(x: Any, feature_major: bool) -> Any:
+    """A matched input or output as the tag receives it: feature axis last."""
+    return jnp.moveaxis(x, 0, -1) if feature_major else x
+
+
+def _from_tag_layout(x: Any, feature_major: bool) -> Any:
+    return jnp.moveaxis(x, -1, 0) if feature_major else x
+
+
+def _fits_tag(pattern: GraphPattern, meta: dict[str, Any], ys: list[Var], xs: list[Var], ps: list[Var]) -> bool:
+    validator = _VALIDATORS.get(pattern.tag)
     if validator is None:
         return True
-    structs = [[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in vs] for vs in (ys, xs, ps)]
+    inputs_major, outputs_major = pattern.feature_major
+
+    def struct(v, major=False):
+        shape = tuple(v.aval.shape)
+        return jax.ShapeDtypeStruct(shape[1:] + shape[:1] if major else shape, v.aval.dtype)
+
+    structs = [
+        [struct(v, outputs_major) for v in ys],
+        [struct(v, inputs_major) for v in xs],
+        [struct(v) for v in ps],
+    ]
     try:
         jax.eval_shape(lambda y, x, p: validator(meta, y, x, p), *structs)
     except (ValueError, TypeError):
@@ -419,17 +499,21 @@ def _child(eqn: JaxprEqn, refs: dict[Var, _Ref]) -> tuple[Jaxpr, dict[Var, _Ref]
     inner = _inner_jaxpr(eqn)
     if inner is None:
         return None
-    n_fixed = eqn.params["num_consts"] + eqn.params["num_carry"] if eqn.primitive.name == "scan" else 0
+    scan = eqn.primitive.name == "scan"
+    consts = eqn.params["num_consts"] if scan else 0
+    carries = range(consts, consts + eqn.params["num_carry"]) if scan else range(0)
     inner_refs, reused = {}, []
     for i, v in enumerate(eqn.invars):
         if not isinstance(v, Var) or v not in refs:
             continue
         leaf, depth = refs[v]
-        if i < n_fixed:
-            # A constant is reused at every step and a carry changes: neither is one layer's parameter.
+        if i in carries:
+            # A carry changes from step to step: it is no layer's parameter.
             reused.append((i, leaf))
         else:
-            inner_refs[inner.invars[i]] = (leaf, depth + int(eqn.primitive.name == "scan"))
+            # A scan's constant is the same parameter at every step (a recurrent cell's weight);
+            # its `xs` are sliced, one more level deep.
+            inner_refs[inner.invars[i]] = (leaf, depth + int(scan and i >= consts))
     return inner, inner_refs, reused
 
 
@@ -554,7 +638,7 @@ def _find_matches(
                 ys = [b.vars[v] for v in pg.outvars]
                 xs = [b.vars[v] for v in pg.inputs]
                 ps = [b.vars[v] for v in pg.params]
-                if meta is None or not _fits_tag(pattern.tag, meta, ys, xs, ps):
+                if meta is None or not _fits_tag(pattern, meta, ys, xs, ps):
                     continue
                 out_eqn = node.eqns[-1]
                 match = _Match(pattern, dict(meta), len(xs), len(ps), [out_eqn.outvars.index(y) for y in ys])
@@ -593,12 +677,12 @@ class _TagBinder(JaxprHook):
             return None
         outs = eqn.primitive.bind(*invals, **eqn.params)
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
-        ys = [outs[i] for i in match.out_positions]
-        tagged = match.pattern.tag.bind(
-            *ys, *match.inputs, *match.params, **match.meta, origin=match.pattern.name
-        )
+        inputs_major, outputs_major = match.pattern.feature_major
+        ys = [_to_tag_layout(outs[i], outputs_major) for i in match.out_positions]
+        xs = [_to_tag_layout(x, inputs_major) for x in match.inputs]
+        tagged = match.pattern.tag.bind(*ys, *xs, *match.params, **match.meta, origin=match.pattern.name)
         for i, y in zip(match.out_positions, tagged):
-            outs[i] = y
+            outs[i] = _from_tag_layout(y, outputs_major)
         return outs
 
 
@@ -639,9 +723,11 @@ def auto_register_tags(
     bound on each layer found (origin: the pattern's name). Tags already in `func` (manual
     registration) are kept and their parameters are not matched again. Every parameter no tag
     claims gets a `generic` tag of its own (origin `"unmatched"`), and a parameter used in more than
-    one place that the registered losses depend on (weight tying, a `scan` constant) is never
-    matched to a layer: it gets a generic tag with origin `"shared"`, with a warning naming it. To
-    give it a structured block, register a layer for it by hand. Uses the losses do not depend on (a
+    one place that the registered losses depend on (weight tying, a value carried through a `scan`)
+    is never matched to a layer: it gets a generic tag with origin `"shared"` (the estimators warn
+    about both, see their `on_unmatched`). To give it a structured block, register a layer for it
+    by hand. A layer inside a `scan` body whose parameters are the scan's constants (a recurrent
+    cell) is matched like any other. Uses the losses do not depend on (a
     regulariser added to the loss value, a returned metric) are ignored. Inside `jax.shard_map`
     with varying-axis checks, the `pvary`s JAX puts on replicated parameters are looked through.
 
@@ -686,8 +772,12 @@ def auto_register_tags(
 
     def tagged_func(*args: Any) -> Any:
         closed, out_struct, out_static = eqx.filter_make_jaxpr(func)(*args)
+        if registers_inside_rules(closed.jaxpr):
+            closed, out_struct, out_static = eqx.filter_make_jaxpr(
+                through_derivative_rules(func, params_index)
+            )(*args)
         jaxpr = closed.jaxpr
-        positions, paths = _param_leaves(args, params_index)
+        positions, _ = _param_leaves(args, params_index)
         refs = {jaxpr.invars[p]: (leaf, 0) for p, leaf in positions.items()}
         uses: dict[int, int] = {}
         manual: set[int] = set()
@@ -698,14 +788,6 @@ def auto_register_tags(
         _liveness(jaxpr, outs, (), live)
         _count_uses(jaxpr, refs, uses, manual, live)
         shared = {leaf for leaf, n in uses.items() if n > 1 and leaf not in manual}
-        for leaf in sorted(shared):
-            warnings.warn(
-                f"Parameter {paths[leaf]!r} is used in more than one place that the losses depend on "
-                "(weight tying, or a scan constant reused at every step), so no "
-                "layer pattern can account for it; it gets a generic (per-parameter) tag. Register its "
-                "layer by hand if a structured block is wanted.",
-                stacklevel=2,
-            )
         plan = _Plan()
         eligible = {v: r for v, r in refs.items() if r[0] not in manual and r[0] not in shared}
         _find_matches(jaxpr, eligible, (), patterns, plan, live)

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
-from ._tags import LayerTag, conv2d_tag, dense_tag, scale_and_shift_tag
+from ._tags import LayerTag, conv2d_tag, dense_tag, embedding_tag, scale_and_shift_tag
 
 _ExampleArgs = tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]
 
@@ -49,6 +49,15 @@ class GraphPattern(eqx.Module):
       Return `None` to reject the match.
     - `precedence`: patterns are tried in increasing order of precedence (ties keep their order);
       give a larger pattern (e.g. with bias) a lower number than the one it contains (without).
+    - `feature_major`: `(inputs, outputs)`, whether the matched inputs (outputs) hold their
+      feature axis first and their batch axes after it. `jax.vmap` leaves the activations of
+      per-example layers that way between bias-free layers (`(out, batch)` instead of
+      `(batch, out)`); the tag receives them with the feature axis moved last, as its
+      registration function expects.
+
+    Example sizes should be distinctive (e.g. 19, 23, not 1 or 2): integer literals and sizes in
+    the pattern that equal a dimension of an example parameter are matched up to the target's
+    parameter shapes (an `eqx.nn.Embedding` lookup contains its table's sizes as constants).
     """
 
     name: str = eqx.field(static=True)
@@ -59,6 +68,7 @@ class GraphPattern(eqx.Module):
         static=True
     )
     precedence: int = eqx.field(static=True, default=0)
+    feature_major: tuple[bool, bool] = eqx.field(static=True, default=(False, False))
 
     def __init__(
         self,
@@ -68,6 +78,7 @@ class GraphPattern(eqx.Module):
         example_args: Any,
         parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None],
         precedence: int = 0,
+        feature_major: tuple[bool, bool] = (False, False),
     ):
         if isinstance(example_args, tuple) and len(example_args) == 2 and all(
             hasattr(p, "shape") for p in example_args[1]
@@ -84,6 +95,7 @@ class GraphPattern(eqx.Module):
         self.example_args = tuple(sets)
         self.parameters_extractor_func = parameters_extractor_func
         self.precedence = precedence
+        self.feature_major = (bool(feature_major[0]), bool(feature_major[1]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,6 +115,23 @@ def _vmapped(f: Callable[[Any], Any], x: Any, n_batch: int | None = None) -> Any
 def _linear_per_example(x, params):
     w, *b = params
     return _vmapped(lambda v: w @ v + b[0] if b else w @ v, x)
+
+
+def _linear_feature_major(input_feature_major: bool, output_feature_major: bool, bias: bool):
+    """A per-example `eqx.nn.Linear` as `jax.vmap` emits it when the batch axis of its input
+    (output) sits after the feature axis: the output stays `(out, *batch)` unless it is moved back
+    for the bias (or the end of the `vmap`)."""
+
+    def compute(x, params):
+        w, *b = params
+        contracted = 0 if input_feature_major else x.ndim - 1
+        y = lax.dot_general(w, x, (((1,), (contracted,)), ((), ())))
+        if output_feature_major:
+            return y
+        y = jnp.moveaxis(y, 0, -1)
+        return y + b[0] if bias else y
+
+    return compute
 
 
 def _dense_out_in(x, params):
@@ -169,20 +198,29 @@ def _leading_scale_and_shift(has_scale: bool, has_shift: bool) -> Callable[[Any,
 
 
 def _leading_meta(has_scale: bool, has_shift: bool) -> Callable[[Sequence[JaxprEqn]], dict[str, Any] | None]:
-    """Reads `param_axes` off the parameters' reshapes to `(*param_shape, 1, ..., 1)`."""
+    """Reads `param_axes` off the parameters' expansions to `(*param_shape, 1, ..., 1)`: a
+    reshape (`p.reshape(c, 1, 1)`) or a broadcast of the parameter's own axes (`p[:, None, None]`).
+    """
 
     def extract(eqns):
         found = set()
         for eqn in eqns:
-            if eqn.primitive.name != "reshape":
+            name = eqn.primitive.name
+            if name not in ("reshape", "broadcast_in_dim"):
                 continue
             shape = tuple(eqn.invars[0].aval.shape)
-            new_sizes = tuple(int(d) for d in eqn.params["new_sizes"])
-            # The pattern compares reshapes by rank only: any other target shape of that rank
+            new = tuple(int(d) for d in eqn.outvars[0].aval.shape)
+            if name == "broadcast_in_dim" and tuple(eqn.params["broadcast_dimensions"]) != tuple(
+                range(len(shape))
+            ):
+                continue  # the broadcast of the expanded parameter against the activations
+            # The pattern compares shapes by rank only: any other target shape of that rank
             # (e.g. `(1, c)` instead of `(c, 1)`) aligns the parameter differently.
-            if new_sizes != shape + (1,) * (len(new_sizes) - len(shape)):
-                return None
-            found.add(tuple(range(-len(new_sizes), len(shape) - len(new_sizes))))
+            if new != shape + (1,) * (len(new) - len(shape)):
+                if name == "reshape":
+                    return None
+                continue
+            found.add(tuple(range(-len(new), len(shape) - len(new))))
         if len(found) != 1:
             return None
         return dict(has_scale=has_scale, has_shift=has_shift, param_axes=found.pop())
@@ -214,6 +252,11 @@ def _conv_meta(has_bias: bool) -> Callable[[Sequence[JaxprEqn]], dict[str, Any] 
     return extract
 
 
+def _embedding_per_example(ids, params):
+    (table,) = params
+    return _vmapped(eqx.nn.Embedding(weight=table), ids, ids.ndim)
+
+
 def _f32(*shape: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float32)
 
@@ -221,10 +264,15 @@ def _f32(*shape: int) -> jax.ShapeDtypeStruct:
 # Batch sizes, feature sizes and ranks are all distinct so that no example shape is ambiguous.
 _BATCH = (7, 11, 13)
 _IN, _OUT = 3, 5
+_VOCABULARY, _EMBEDDING = 23, 19
 
 
-def _dense_examples(weight_shape: tuple[int, int], bias: bool) -> list[_ExampleArgs]:
+def _dense_examples(
+    weight_shape: tuple[int, int], bias: bool, feature_major: bool = False
+) -> list[_ExampleArgs]:
     params = (_f32(*weight_shape), _f32(_OUT)) if bias else (_f32(*weight_shape),)
+    if feature_major:
+        return [(_f32(_IN, *_BATCH[:n]), params) for n in (1, 2, 3)]
     return [(_f32(*_BATCH[:n], _IN), params) for n in (1, 2, 3)]
 
 
@@ -270,6 +318,20 @@ def _make_default_patterns() -> tuple[GraphPattern, ...]:
             meta = _fixed_meta(weight_layout=layout, has_bias=bias)
             examples = _dense_examples(w_shape, bias)
             patterns.append(GraphPattern(f"{name}_{suffix}", dense_tag, func, examples, meta, precedence))
+        # Between per-example layers without bias, `vmap` keeps activations feature-major.
+        meta = _fixed_meta(weight_layout="out_in", has_bias=bias)
+        layouts = [(True, False)] + ([] if bias else [(False, True), (True, True)])
+        for input_major, output_major in layouts:
+            name = {(True, False): "linear_from", (False, True): "linear_to", (True, True): "linear"}[
+                (input_major, output_major)
+            ] + "_feature_major"
+            patterns.append(
+                GraphPattern(
+                    f"{name}_{suffix}", dense_tag, _linear_feature_major(input_major, output_major, bias),
+                    _dense_examples((_OUT, _IN), bias, input_major), meta, precedence,
+                    feature_major=(input_major, output_major),
+                )
+            )
         for name, func, x_shape, w_shape, b_shape in (
             ("conv2d", _conv_per_example, (2, _IN, 8, 9), (_OUT, _IN, 3, 2), (_OUT, 1, 1)),
             ("conv2d_nhwc", _conv_nhwc, (2, 8, 9, _IN), (3, 2, _IN, _OUT), (_OUT,)),
@@ -301,6 +363,15 @@ def _make_default_patterns() -> tuple[GraphPattern, ...]:
                 _leading_meta(has_scale, has_shift), precedence,
             )
         )
+    # `eqx.nn.Embedding` contains its table's sizes as constants; they match any table's sizes
+    # (see `GraphPattern`), so these distinctive example sizes stand for all of them.
+    table = _f32(_VOCABULARY, _EMBEDDING)
+    patterns.append(
+        GraphPattern(
+            "embedding", embedding_tag, _embedding_per_example,
+            [(jax.ShapeDtypeStruct(_BATCH[:n], jnp.int32), (table,)) for n in (1, 2)], _fixed_meta(),
+        )
+    )
     return tuple(patterns)
 
 

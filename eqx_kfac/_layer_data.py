@@ -34,6 +34,11 @@ class LayerSpec(eqx.Module):
       stacked parameters (one slice per iteration), the number of iterations: `param_shapes`,
       `input_shapes` and `output_shapes` are then per iteration, the parameter leaves carry a leading
       stack axis, and `EstimationData` fields carry a leading stack axis (after `V` for tangents).
+    - `repeat_size`: `None` for an ordinary layer. For a layer applied at every step of a
+      `jax.lax.scan` with the same parameters (the cell of a recurrent network), the number of
+      steps: `input_shapes`, `output_shapes` and the `EstimationData` carry the steps as an extra
+      axis after the batch axis, so blocks treat them like sequence positions (summed into each
+      example's gradient; the "expand" convention of Kronecker blocks).
     """
 
     tag: str = eqx.field(static=True)
@@ -47,6 +52,7 @@ class LayerSpec(eqx.Module):
     meta: tuple[tuple[str, Any], ...] = eqx.field(static=True, default=())
     origin: str = eqx.field(static=True, default="manual")
     stack_size: int | None = eqx.field(static=True, default=None)
+    repeat_size: int | None = eqx.field(static=True, default=None)
 
     def get(self, key: str, default: Any = None) -> Any:
         """Returns the tag keyword parameter `key`, or `default` when the tag has none."""

@@ -190,6 +190,11 @@ dense_tag = LayerTag("dense", num_inputs=1, num_outputs=1)
 conv2d_tag = LayerTag("conv2d", num_inputs=1, num_outputs=1)
 scale_and_shift_tag = LayerTag("scale_and_shift", num_inputs=1, num_outputs=1)
 generic_tag = LayerTag("generic", num_inputs=0, num_outputs=0)
+embedding_tag = LayerTag("embedding", num_inputs=1, num_outputs=1)
+"""`embedding_tag.bind(y, ids, table, origin=...)`: `y = table[ids]`, `ids: (batch, *extra)`
+integers, `table: (vocab, features)`. The tag records the integer ids (not the one-hot matrix of
+the equivalent dense layer `one_hot(ids) @ table`), so its block can keep the input factor as a
+vector of token frequencies."""
 
 
 def layer_tag_of(eqn: JaxprEqn) -> LayerTag | None:
@@ -423,6 +428,30 @@ def register_scale_and_shift(
         param_axes=param_axes,
         origin="manual",
     )[0]
+
+
+def register_embedding(y: Array, ids: Array, table: Array) -> Array:
+    """Registers an embedding lookup `y = table[ids]` (the gather of `eqx.nn.Embedding`).
+
+    **Arguments:**
+
+    - `y`: the looked-up rows, shape `(*ids.shape, features)`.
+    - `ids`: the integer token ids (any leading shape; batch first once vmapped).
+    - `table`: the embedding table `(vocab, features)`.
+
+    **Returns:**
+
+    `y`, unchanged.
+    """
+    if jnp.ndim(table) != 2 or jnp.shape(y) != (*jnp.shape(ids), jnp.shape(table)[1]):
+        raise ValueError(
+            f"register_embedding(y: {jnp.shape(y)}, ids: {jnp.shape(ids)}, table: "
+            f"{jnp.shape(table)}): expected a 2-D table (vocab, features) and y of shape "
+            "(*ids.shape, features)."
+        )
+    if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+        raise TypeError(f"register_embedding: ids must be integers, got {jnp.result_type(ids)}.")
+    return embedding_tag.bind(y, ids, table, origin="manual")[0]
 
 
 def register_generic(*params: Array) -> Array | tuple[Array, ...]:

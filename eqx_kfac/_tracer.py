@@ -22,6 +22,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 from jax.interpreters import partial_eval as pe
 from jaxtyping import Array, PyTree
 
+from ._derivative_rules import registers_inside_rules, through_derivative_rules
 from ._jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, iter_eqns, subjaxprs
 from ._layer_data import EstimationData, LayerSpec
 from ._tags import LayerTag, is_layer_tag_eqn, is_loss_tag_eqn, layer_tag_of, loss_tag
@@ -87,6 +88,9 @@ class TracedFunction:
             return func(*self._unflatten(dynamic[:n_params], dynamic[n_params:]))
 
         self.closed_jaxpr: ClosedJaxpr = jax.make_jaxpr(flat)(*params_avals, *others)
+        if registers_inside_rules(self.closed_jaxpr.jaxpr):
+            func = through_derivative_rules(func, params_index)
+            self.closed_jaxpr = jax.make_jaxpr(flat)(*params_avals, *others)
         self.num_params = n_params
         layers, losses = _find_tags(self.closed_jaxpr.jaxpr, n_params, self.param_paths)
         if not losses:
@@ -101,6 +105,9 @@ class TracedFunction:
         self.layer_specs = self._make_specs(layers, params_avals)
         self._spec_of_path = {occ.path: spec for occ, spec in zip(layers, self.layer_specs)}
         self._scan_of_spec = {spec.index: occ.scan_path for occ, spec in zip(layers, self.layer_specs)}
+        self._scan_length = {
+            spec.index: occ.scan_length for occ, spec in zip(layers, self.layer_specs) if occ.scan_length
+        }
         self._output_avals = {
             spec.index: [v.aval for v in occ.tag.split(occ.eqn.invars)[0]]
             for occ, spec in zip(layers, self.layer_specs)
@@ -128,6 +135,13 @@ class TracedFunction:
         owner: dict[int, LayerSpec] = {}
         for occ in layers:
             outs, ins, _ = occ.tag.split(occ.eqn.invars)
+
+            def shapes(vs, occ=occ):
+                # A layer repeated at every scan step sees its steps as positions after the batch.
+                if occ.repeated:
+                    return tuple((v.aval.shape[0], occ.scan_length, *v.aval.shape[1:]) for v in vs)
+                return tuple(tuple(v.aval.shape) for v in vs)
+
             spec = LayerSpec(
                 tag=occ.tag.name,
                 index=len(specs),
@@ -135,11 +149,12 @@ class TracedFunction:
                 param_indices=occ.param_indices,
                 param_shapes=tuple(tuple(v.aval.shape) for v in occ.tag.split(occ.eqn.invars)[2]),
                 param_dtypes=tuple(v.aval.dtype for v in occ.tag.split(occ.eqn.invars)[2]),
-                input_shapes=tuple(tuple(v.aval.shape) for v in ins),
-                output_shapes=tuple(tuple(v.aval.shape) for v in outs),
+                input_shapes=shapes(ins),
+                output_shapes=shapes(outs),
                 meta=tuple(sorted((k, v) for k, v in occ.eqn.params.items() if k != "origin")),
                 origin=occ.eqn.params.get("origin", "manual"),
-                stack_size=occ.stack_size,
+                stack_size=None if occ.repeated else occ.scan_length,
+                repeat_size=occ.scan_length if occ.repeated else None,
             )
             for i in occ.param_indices:
                 if i in owner:
@@ -173,12 +188,23 @@ class TracedFunction:
         """Zeros shaped like each layer's outputs (stacked for layers inside `lax.scan`)."""
         return {
             s.index: tuple(
-                jnp.zeros(((s.stack_size,) if s.stack_size else ()) + a.shape, dtype=a.dtype)
+                jnp.zeros(self._scan_steps(s) + a.shape, dtype=a.dtype)
                 for a in self._output_avals[s.index]
             )
             for s in self.layer_specs
             if s.output_shapes
         }
+
+    def _scan_steps(self, spec: LayerSpec) -> tuple[int, ...]:
+        """`(length,)` for a layer inside `lax.scan` (stacked or repeated), else `()`."""
+        return (self._scan_length[spec.index],) if spec.index in self._scan_length else ()
+
+    def steps_after_batch(self, spec: LayerSpec, values: Sequence[Array], axis: int = 0) -> tuple[Array, ...]:
+        """Per-step values of a repeated layer (steps at `axis`, batch next) with the steps moved
+        after the batch axis, as its spec describes them; other layers' values unchanged."""
+        if spec.repeat_size is None:
+            return tuple(values)
+        return tuple(jnp.moveaxis(v, axis, axis + 1) for v in values)
 
     def _check_no_use_outside_tags(self, others: Sequence[Any]) -> None:
         # With every layer output cut from what comes before it (stop_gradient), a claimed
@@ -246,13 +272,16 @@ def _path_str(path: tuple) -> str:
 
 
 class _Occurrence:
-    def __init__(self, path, eqn, tag, param_indices, scan_path, stack_size):
+    def __init__(self, path, eqn, tag, param_indices, scan_path, scan_length, repeated):
         self.path: tuple[int, ...] = path
         self.eqn: JaxprEqn = eqn
         self.tag: LayerTag = tag
         self.param_indices: tuple[int, ...] = param_indices
         self.scan_path: tuple[int, ...] | None = scan_path
-        self.stack_size: int | None = stack_size
+        # Inside `lax.scan`: its length, and whether the parameters are the same at every step
+        # (`repeated`) rather than sliced from stacked leaves.
+        self.scan_length: int | None = scan_length
+        self.repeated: bool = repeated
 
 
 def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str]):
@@ -312,7 +341,7 @@ def _layer_occurrence(eqn, srcs, path, scans, param_paths) -> _Occurrence:
     where = f"the {tag.name} tag (origin {eqn.params.get('origin', 'manual')!r})"
     if len(scans) > 1:
         raise ValueError(f"{where} is inside nested `lax.scan`s, which is not supported.")
-    indices = []
+    indices, sliced = [], set()
     for k, s in enumerate(param_srcs):
         if s is None:
             raise ValueError(
@@ -321,15 +350,25 @@ def _layer_occurrence(eqn, srcs, path, scans, param_paths) -> _Occurrence:
                 "value computed from it (e.g. a transpose or a dtype cast)."
             )
         leaf, depth = s
-        if depth != len(scans):
-            raise ValueError(
-                f"The parameter `{param_paths[leaf]}` of {where} is used by a layer inside `lax.scan` "
-                "on every iteration (the same weight shared across steps). Pass the parameters stacked "
-                "as the scan's `xs` (one slice per step), or register it with `register_generic`."
-            )
+        sliced.add(depth == len(scans))
         indices.append(leaf)
-    scan_path, stack = (scans[0][0], scans[0][1]) if scans else (None, None)
-    return _Occurrence(path, eqn, tag, tuple(indices), scan_path, stack)
+    if not scans:
+        return _Occurrence(path, eqn, tag, tuple(indices), None, None, False)
+    names = ", ".join(f"`{param_paths[i]}`" for i in indices)
+    if len(sliced) > 1:
+        raise ValueError(
+            f"The parameters {names} of {where} inside `lax.scan` are partly sliced from stacked "
+            "leaves (one slice per step) and partly the same at every step; a layer's parameters "
+            "must all be one or the other. Register the two kinds as separate layers."
+        )
+    repeated = not sliced.pop()
+    if repeated and tag.name == "conv2d":
+        raise ValueError(
+            f"The parameters {names} of {where} are used at every step of a `lax.scan` (a "
+            "convolution shared over time), which convolution blocks do not support. Register "
+            "them with `register_generic` (or unroll the loop)."
+        )
+    return _Occurrence(path, eqn, tag, tuple(indices), scans[0][0], scans[0][1], repeated)
 
 
 class _Run:
@@ -585,8 +624,8 @@ def layer_tags_vjp(func: Callable, params_index: int = 0) -> Callable:
         layer_data = tuple(
             EstimationData(
                 params=tuple(params[i] for i in s.param_indices),
-                inputs=recorded[s.index][0] if s.index in recorded else (),
-                outputs=recorded[s.index][1] if s.index in recorded else (),
+                inputs=traced.steps_after_batch(s, recorded[s.index][0]) if s.index in recorded else (),
+                outputs=traced.steps_after_batch(s, recorded[s.index][1]) if s.index in recorded else (),
                 outputs_tangent=(),
                 params_tangent=(),
             )
@@ -596,7 +635,11 @@ def layer_tags_vjp(func: Callable, params_index: int = 0) -> Callable:
         def vjp(cotangents):
             grads, pert_grads = vjp_fn(tuple(tuple(c) for c in cotangents))
             return tuple(
-                (tuple(pert_grads.get(s.index, ())), tuple(grads[i] for i in s.param_indices)) for s in specs
+                (
+                    traced.steps_after_batch(s, pert_grads.get(s.index, ())),
+                    tuple(grads[i] for i in s.param_indices),
+                )
+                for s in specs
             )
 
         return tuple(losses), layer_data, vjp

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 from block_helpers import dense_matpower
-from eqx_kfac import DEFAULT_GRAPH_PATTERNS
 from eqx_kfac._blocks import DenseTwoKroneckerFactored
 from eqx_kfac._blocks.embedding import EmbeddingKroneckerFactored
-from eqx_kfac._embedding_tag import embedding_pattern, register_embedding
+from eqx_kfac._tags import register_embedding
 from eqx_kfac._estimators import BlockDiagonalCurvature
 from eqx_kfac._layer_data import EstimationData, LayerSpec
 from eqx_kfac._losses import register_softmax_cross_entropy_loss
@@ -66,13 +65,10 @@ def test_embedding_block_equals_dense_kfac_of_the_one_hot_layer(ids_shape, getke
     # Some tokens never appear: their rows have zero curvature in both.
     ids = jax.random.randint(getkey(), ids_shape, 0, VOCAB - 1)
     labels = jax.random.randint(getkey(), ids_shape, 0, CLASSES)
-    estimator, (emb_dense, head_dense) = _estimate(
-        model, (ids, labels),
-        graph_patterns=(embedding_pattern(VOCAB, FEATURES), *DEFAULT_GRAPH_PATTERNS),
-        layer_tag_to_block_ctor={"embedding": EmbeddingKroneckerFactored},
-    )
+    # Found by the default patterns, whatever the table's shape, and given the embedding block.
+    estimator, (emb_dense, head_dense) = _estimate(model, (ids, labels))
     assert isinstance(estimator.blocks[0], EmbeddingKroneckerFactored)
-    assert estimator.blocks[0].spec.origin == f"embedding_{VOCAB}x{FEATURES}"
+    assert estimator.blocks[0].spec.origin == "embedding"
     one_hot_model = TokenClassifier(model.embedding, model.head, True)
     reference, (ref_emb, ref_head) = _estimate(one_hot_model, (ids, labels))
     assert isinstance(reference.blocks[0], DenseTwoKroneckerFactored)

@@ -8,9 +8,9 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import equinox as eqx
-from eqx_kfac._blocks import DenseDiagonal, DenseFull, DenseTwoKroneckerFactored, NaiveFull
+from eqx_kfac._blocks import DenseDiagonal, DenseFull, DenseTwoKroneckerFactored, NaiveFull, ScaleAndShiftFull
 from eqx_kfac._estimators import BlockDiagonalCurvature
-from eqx_kfac._losses import register_softmax_cross_entropy_loss
+from eqx_kfac._losses import register_softmax_cross_entropy_loss, register_squared_error_loss
 from eqx_kfac._tags import register_generic
 from eqx_kfac._spectral import eigenvalues as operator_eigenvalues, trace as operator_trace
 
@@ -51,8 +51,13 @@ def _block_diagonal_part(matrix, estimator):
     return out
 
 
+def _bias_free_mlp(key):
+    # Between bias-free per-example layers `vmap` keeps the activations feature-major.
+    return mlp_classification(key, sizes=(3, 4, 5, 3), use_bias=False)
+
+
 @pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
-@pytest.mark.parametrize("make", [mlp_classification, two_losses])
+@pytest.mark.parametrize("make", [mlp_classification, two_losses, _bias_free_mlp])
 def test_full_blocks_are_slices_of_exact_matrix(make, mode, getkey):
     problem = make(getkey())
     estimator, state = _estimate(problem, mode, getkey(), layer_tag_to_block_ctor=FULL)
@@ -103,8 +108,9 @@ def test_kfac_is_exact_for_deep_linear_network(mode, getkey):
 
 
 @pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
-def test_kfac_is_exact_for_one_example(mode, getkey):
-    problem = mlp_classification(getkey(), batch=1)
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_kfac_is_exact_for_one_example(mode, use_bias, getkey):
+    problem = mlp_classification(getkey(), sizes=(3, 4, 5, 3), batch=1, use_bias=use_bias)
     estimator, state = _estimate(problem, mode, getkey())
     exact = brute_force_ggn(problem)
     np.testing.assert_allclose(
@@ -378,3 +384,53 @@ def test_varying_axis_checks_are_rejected_with_advice(getkey):
 
     with pytest.raises(ValueError, match="check_vma=False"):
         jax.shard_map(per_device, mesh=mesh, in_specs=(spec("batch"), spec("batch")), out_specs=spec())(x, y)
+
+
+class _ConvBatchNorm(eqx.Module):
+    conv: eqx.nn.Conv2d
+    norm: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key, mode):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(2, 3, 3, padding=1, use_bias=False, key=k1)
+        self.norm = eqx.nn.BatchNorm(3, "batch", mode=mode)
+        self.head = eqx.nn.Linear(3, 2, key=k2)
+
+    def __call__(self, x, state):
+        y, state = self.norm(self.conv(x), state)
+        return self.head(jnp.mean(jnp.tanh(y), axis=(1, 2))), state
+
+
+@pytest.mark.parametrize("mode", ["batch", "ema"])
+def test_batch_norm_on_conv_features_is_an_exact_scale_and_shift_layer(mode, getkey):
+    # The batch statistics do not depend on BatchNorm's own scale and shift, so its per-example
+    # gradients, and a full block of them, are exact.
+    model, state = eqx.nn.make_with_state(_ConvBatchNorm)(getkey(), mode)
+    model = eqx.tree_at(lambda m: m.norm.weight, model, jnp.linspace(0.5, 1.5, 3))
+    x, t = jax.random.normal(getkey(), (5, 2, 4, 4)), jax.random.normal(getkey(), (5, 2))
+
+    def outputs(m, s, x):
+        return jax.vmap(m, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, s)
+
+    def loss(m, s, batch):
+        out, s = outputs(m, s, batch[0])
+        register_squared_error_loss(out, batch[1])
+        return jnp.mean(jnp.sum((out - batch[1]) ** 2, axis=-1)), s
+
+    estimator = BlockDiagonalCurvature(
+        loss, (model, state, (x, t)), default_estimation_mode="ggn_exact",
+        layer_tag_to_block_ctor={"scale_and_shift": ScaleAndShiftFull},
+    )
+    (norm,) = [b for b in estimator.blocks if b.spec.tag == "scale_and_shift"]
+    assert norm.spec.param_paths == ("norm.weight", "norm.bias") and norm.spec.get("param_axes") == (-3,)
+    curvature = _update(estimator, estimator.init(), getkey(), (model, state, (x, t)), 5, "ggn_exact")
+    block_state = curvature.block_states[estimator.blocks.index(norm)]
+
+    def affine_outputs(affine):
+        m = eqx.tree_at(lambda m: (m.norm.weight, m.norm.bias), model, affine)
+        return outputs(m, state, x)[0].reshape(-1)
+
+    jac = jax.jacobian(affine_outputs)((model.norm.weight, model.norm.bias))
+    jac = jnp.concatenate(jac, axis=1)
+    np.testing.assert_allclose(norm.to_dense_matrix(block_state), 2 * jac.T @ jac / 5, rtol=1e-10, atol=1e-13)

@@ -16,6 +16,7 @@ import pytest
 from jax import lax
 from jax.extend.core import Var
 
+from eqx_kfac import BlockDiagonalCurvature
 from eqx_kfac._graph_matcher import DEFAULT_GRAPH_PATTERNS, GraphPattern, auto_register_tags
 from eqx_kfac._losses import register_squared_error_loss
 from eqx_kfac._tags import (
@@ -483,7 +484,7 @@ def test_intermediate_used_twice_and_scalar_bias():
     _check_value_and_grad(_loss_of(apply), tagged, params, x)
 
 
-def test_weight_tying_gets_a_generic_tag_and_a_warning():
+def test_weight_tying_gets_a_generic_tag_and_the_estimator_reports_it():
     params = (jnp.eye(3) + 0.1, jnp.ones(3))
     x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
 
@@ -491,13 +492,21 @@ def test_weight_tying_gets_a_generic_tag_and_a_warning():
         return jnp.tanh(x @ p[0] + p[1]) @ p[0].T
 
     tagged = auto_register_tags(_loss_of(apply), (params, x))
-    with pytest.warns(UserWarning, match=r"Parameter '\[0\]' is used in more than one place"):
-        regs = _registrations(tagged, (params, x))
+    regs = _registrations(tagged, (params, x))
     got = sorted((t, paths, origin) for t, paths, _, origin, _, _ in regs)
     assert got == [("generic", ("[0]",), "shared"), ("scale_and_shift", ("[1]",), "shift_only")]
+    _check_value_and_grad(_loss_of(apply), tagged, params, x)
+    # The estimator names the parameter and the reason, at the user's call.
+    with pytest.warns(UserWarning, match=r"`\[0\]` \(shared\): it is used in more than one place") as record:
+        BlockDiagonalCurvature(_loss_of(apply), (params, x))
+    assert [w.filename for w in record] == [__file__]
+    with pytest.raises(ValueError, match=r"`\[0\]` \(shared\)"):
+        BlockDiagonalCurvature(_loss_of(apply), (params, x), on_unmatched="error")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _check_value_and_grad(_loss_of(apply), tagged, params, x)
+        warnings.simplefilter("error")
+        BlockDiagonalCurvature(_loss_of(apply), (params, x), on_unmatched="ignore")
+    with pytest.raises(ValueError, match="on_unmatched must be one of"):
+        BlockDiagonalCurvature(_loss_of(apply), (params, x), on_unmatched="raise")
 
 
 def test_register_only_generic_and_patterns_to_skip(getkey):

@@ -13,7 +13,7 @@ from eqx_kfac._losses import (
     register_softmax_cross_entropy_loss,
     register_squared_error_loss,
 )
-from eqx_kfac._tags import register_dense, register_generic, register_scale_and_shift
+from eqx_kfac._tags import register_conv2d, register_dense, register_generic, register_scale_and_shift
 from eqx_kfac._tracer import layer_tags_vjp, loss_tags_hvp, loss_tags_jvp, loss_tags_vjp, trace
 
 
@@ -398,15 +398,40 @@ def test_tag_param_not_a_leaf_error(getkey):
         trace(lambda w, x: _single(w, x, lambda w, x: register_dense(x @ w["w"], x, 2 * w["w"])), (w, jnp.ones((2, 3))))
 
 
-def test_shared_weight_in_scan_error(getkey):
+def test_weight_used_at_every_scan_step_is_one_repeated_layer(getkey):
     w = {"w": jax.random.normal(getkey(), (3, 3))}
 
     def body(w, x):
         step = lambda h, _: (register_dense(h @ w["w"], h, w["w"]), None)
-        return jax.lax.scan(step, x, None, length=2)[0]
+        return jax.lax.scan(step, x, None, length=4)[0]
 
-    with pytest.raises(ValueError, match=r"`\['w'\]` of the dense tag .* on every iteration"):
-        trace(lambda w, x: _single(w, x, body), (w, jnp.ones((2, 3))))
+    (spec,) = trace(lambda w, x: _single(w, x, body), (w, jnp.ones((2, 3)))).layer_specs
+    # The steps sit after the batch axis, like sequence positions.
+    assert (spec.repeat_size, spec.stack_size) == (4, None)
+    assert spec.input_shapes == ((2, 4, 3),) and spec.output_shapes == ((2, 4, 3),)
+
+
+def test_scan_layer_errors(getkey):
+    w = {"w": jax.random.normal(getkey(), (4, 3, 3)), "b": jnp.zeros(3)}
+
+    def mixed(w, x):
+        step = lambda h, wi: (register_dense(h @ wi + w["b"], h, wi, w["b"]), None)
+        return jax.lax.scan(step, x, w["w"])[0]
+
+    with pytest.raises(ValueError, match=r"partly sliced from stacked leaves"):
+        trace(lambda w, x: register_squared_error_loss(mixed(w, x)), (w, jnp.ones((2, 3))))
+
+    kernel = {"k": jax.random.normal(getkey(), (2, 2, 3, 3))}
+
+    def conv(k, x):
+        def step(h, _):
+            y = jax.lax.conv_general_dilated(h, k["k"], (1, 1), "SAME")
+            return register_conv2d(y, h, k["k"], padding="SAME"), None
+
+        return jax.lax.scan(step, x, None, length=2)[0].reshape(x.shape[0], -1)
+
+    with pytest.raises(ValueError, match=r"convolution shared over time"):
+        trace(lambda k, x: register_squared_error_loss(conv(k, x)), (kernel, jnp.ones((2, 2, 4, 4))))
 
 
 def test_tag_inside_cond_error(getkey):

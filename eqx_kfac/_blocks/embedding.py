@@ -48,9 +48,9 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
     `(diag(a) + π√λ)^p ⊗ (G + √λ/π)^p`, `π = sqrt(mean(a) / (tr G / features))` (each factor gets
     `√λ` when either trace is zero). Memory `O(vocab + features²)`, so large vocabularies are cheap.
 
-    Register embeddings with `register_embedding`, or automatically with
-    `graph_patterns=(embedding_pattern(vocab, features), *DEFAULT_GRAPH_PATTERNS)`; then map the `"embedding"` tag
-    to this block with `layer_tag_to_block_ctor={"embedding": EmbeddingKroneckerFactored}`.
+    It is the default block of the `"embedding"` tag, which the default graph pattern binds on
+    every `eqx.nn.Embedding` lookup (any table shape); `register_embedding` registers a lookup by
+    hand.
 
     **Fields:**
 

@@ -20,6 +20,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._blocks.base import CurvatureBlock, PowersLike
+from .._layer_data import LayerSpec
 from .._losses import LossFunction, NegativeLogProbLoss
 from .._operators import BlockDiagonalOperator
 from .parameter_operator import ParameterSpaceOperator
@@ -223,11 +224,22 @@ def parameter_layout(
 
 
 class Registration(NamedTuple):
-    """How one parameter is approximated: its layer tag, the block class, and who registered it."""
+    """How one parameter is approximated: its layer tag, the block class, who registered it, and,
+    for a layer inside `jax.lax.scan`, how (`"stacked xN"`: one slice of stacked parameters per
+    step; `"repeated xN"`: the same parameters at every step; `""` otherwise)."""
 
     tag: str
     block: str
     origin: str
+    scan: str = ""
+
+
+def _scan_use(spec: LayerSpec) -> str:
+    if spec.stack_size is not None:
+        return f"stacked x{spec.stack_size}"
+    if spec.repeat_size is not None:
+        return f"repeated x{spec.repeat_size}"
+    return ""
 
 
 class Registrations(Mapping[str, Registration]):
@@ -253,7 +265,7 @@ class Registrations(Mapping[str, Registration]):
         return f"Registrations({self._entries!r})"
 
     def __str__(self) -> str:
-        header = ("parameter", "tag", "block", "origin")
+        header = ("parameter", "tag", "block", "origin", "scan")
         rows = [header] + [(path, *reg) for path, reg in self._entries.items()]
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
@@ -328,7 +340,7 @@ class AbstractCurvatureEstimator(eqx.Module):
         for block in self.blocks:
             spec = block.spec
             for i in spec.param_indices:
-                entries[i] = Registration(spec.tag, type(block).__name__, spec.origin)
+                entries[i] = Registration(spec.tag, type(block).__name__, spec.origin, _scan_use(spec))
         return Registrations([(self.param_paths[i], entries[i]) for i in sorted(entries)])
 
     def params_vector_to_blocks_vectors(self, vector: PyTree[Array]) -> tuple[tuple[Array, ...], ...]:

@@ -22,6 +22,7 @@ from .._blocks.conv2d import Conv2DTwoKroneckerFactored
 from .._graph_matcher import auto_register_tags as _auto_register_tags
 from .._layer_data import EstimationData, LayerSpec
 from .._tracer import layer_tags_vjp, trace
+from .fallbacks import check_on_unmatched, report_fallbacks
 from .base import (
     AbstractCurvatureEstimator,
     EstimatorState,
@@ -166,6 +167,7 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
         index_to_block_ctor: Mapping[Any, BlockCtor] | None = None,
         auto_register_tags: bool = True,
         inverse_solver: SolverChoice | None = None,
+        on_unmatched: str = "warn",
         **auto_register_kwargs: Any,
     ):
         """**Arguments:**
@@ -192,6 +194,10 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
           block to its solver or `None`. E.g. `eqx_kfac.KroneckerEigenSolver()`,
           `eqx_kfac.KroneckerPiAdjustedSolver()`, `lineax.Cholesky()`,
           `lineax.CG(rtol, atol)`. A failed solve (e.g. CG out of steps) gives NaNs.
+        - `on_unmatched`: what to do when a parameter falls back to a generic block because no
+          layer accounts for it (no pattern matched its use, it is used in more than one place,
+          or nothing registered it): `"warn"` (a `UserWarning` naming the parameters),
+          `"error"` (a `ValueError`) or `"ignore"`. A `register_generic` call is no fallback.
         - `**auto_register_kwargs`: passed to `auto_register_tags` (e.g. `register_only_generic`,
           `patterns_to_skip`, `graph_patterns`).
         """
@@ -206,6 +212,7 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
                 "auto_register_tags=False; drop them or enable auto-registration."
             )
         inverse_solver = check_solver_choice(inverse_solver, "BlockDiagonalCurvature")
+        check_on_unmatched(on_unmatched, "BlockDiagonalCurvature")
         example_args = tuple(example_args)
         if auto_register_tags:
             func = _auto_register_tags(
@@ -213,6 +220,7 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
             )
         traced = trace(func, example_args, params_index)
         specs = tuple(traced.layer_specs)
+        report_fallbacks(specs, on_unmatched)
         index_to_block_ctor = dict(index_to_block_ctor or {})
         _check_override_keys(specs, index_to_block_ctor)
         layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
