@@ -7,6 +7,7 @@ transformations around it.
 """
 
 import collections
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,8 +22,14 @@ from ._blocks import CurvatureBlock
 from ._blocks._solver_cache import check_solver_choice, SolverChoice
 from ._control_flow import periodic
 from ._estimators import BlockDiagonalCurvature, EstimatorState
-from ._estimators.base import default_batch_size_extractor, ESTIMATION_MODES
+from ._estimators.base import batch_size_of, ESTIMATION_MODES
+from ._estimators.fallbacks import check_on_unmatched
+from ._estimators.loss_checks import check_batch_size, check_loss_is_averaged
 from ._layer_data import LayerSpec
+from ._quad_model import inner_product, norm_constraint_scale
+
+
+logger = logging.getLogger("eqx_kfac")
 
 
 class KFACPreconditionerState(eqx.Module):
@@ -55,11 +62,14 @@ def _estimator(
     estimation_mode: str,
     layer_tag_to_block_ctor: Mapping[str, Callable[[LayerSpec], CurvatureBlock]] | None,
     inverse_solver: SolverChoice | None,
+    on_unmatched: str,
+    batch_size_extractor: Callable[[Any], Any] | None,
 ) -> BlockDiagonalCurvature:
     """The estimator for these arguments, built (tracing `loss_fn`) once per signature.
 
     `optax.inject_hyperparams` rebuilds the transformation at every update, so without the cache
-    every update would trace the loss again.
+    every update would trace the loss again. When it is built, the loss is checked against its
+    registrations (see `loss_checks`) on the example arguments.
     """
     abstract = jax.tree.map(_abstract, example_args)
     leaves, treedef = jax.tree.flatten(abstract)
@@ -71,6 +81,8 @@ def _estimator(
         estimation_mode,
         ctors,
         inverse_solver,
+        on_unmatched,
+        batch_size_extractor,
     )
     try:
         hash(key)
@@ -85,12 +97,25 @@ def _estimator(
         default_estimation_mode=estimation_mode,
         layer_tag_to_block_ctor=dict(ctors) or None,
         inverse_solver=inverse_solver,
+        on_unmatched=on_unmatched,
     )
+    logger.info(
+        "eqx_kfac.kfac_preconditioner: curvature blocks (%d blocks, %d parameters):\n%s",
+        estimator.num_blocks, estimator.dim, estimator.registrations(),
+    )
+    batch_size = batch_size_of(estimator.func, example_args, 0, batch_size_extractor)
+    if batch_size_extractor is not None:
+        check_batch_size(estimator.func, example_args, batch_size)
+    check_loss_is_averaged(loss_fn, _loss_of, example_args, batch_size)
     if key is not None:
         _ESTIMATORS[key] = estimator
         if len(_ESTIMATORS) > _ESTIMATORS_SIZE:
             _ESTIMATORS.popitem(last=False)
     return estimator
+
+
+def _loss_of(out: Any) -> Any:
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -114,8 +139,10 @@ def kfac_preconditioner(
     estimation_mode: str = "fisher_gradients",
     use_exact_inverses: bool = False,
     layer_tag_to_block_ctor: Mapping[str, Callable[[LayerSpec], CurvatureBlock]] | None = None,
-    batch_size_extractor: Callable[[Any], Any] = default_batch_size_extractor,
+    batch_size_extractor: Callable[[Any], Any] | None = None,
     inverse_solver: SolverChoice | None = None,
+    on_unmatched: str = "warn",
+    norm_constraint: float | ArrayLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC preconditioning as an optax transformation: `g ↦ (C + (l2_reg + damping) I)⁻¹ g`.
 
@@ -157,9 +184,12 @@ def kfac_preconditioner(
 
     **Arguments:**
 
-    - `loss_fn`: `loss_fn(model, batch)`, the training loss; it must register its losses (e.g.
+    - `loss_fn`: `loss_fn(model, batch)`, or `loss_fn(model, *loss_args)` for other forms (e.g.
+      `loss_fn(model, func_state, key, batch)` with an `eqx.nn.State` and a dropout key), the
+      training loss or `(loss, anything)`; it must register its losses (e.g.
       `register_softmax_cross_entropy_loss`).
-    - `example_args`: `(model, batch)` with the shapes of every later call. They fix the
+    - `example_args`: `(model, batch)` (or `(model, *loss_args)`) with the shapes of every later
+      call. They fix the
       structure and the non-array parts of the model: `init`/`update` take only its inexact
       arrays (`eqx.filter(model, eqx.is_inexact_array)`; the full model is accepted too).
     - `damping`: the damping `d`: a number, or an optax schedule of the update count.
@@ -174,8 +204,8 @@ def kfac_preconditioner(
       `fisher_curvature_prop`, `ggn_exact`, `ggn_curvature_prop`.
     - `use_exact_inverses`: invert Kronecker blocks exactly instead of with pi-adjusted damping.
     - `layer_tag_to_block_ctor`: block class per tag name, overriding the defaults.
-    - `batch_size_extractor`: the batch size of `batch` (default: the leading dimension of its
-      first array).
+    - `batch_size_extractor`: the batch size of `batch`; `None` (default): the leading dimension
+      of the registered losses' inputs.
     - `inverse_solver`: the lineax solver of the blocks' inverses, as for
       `BlockDiagonalCurvature`: one solver (for every `Full` and Kronecker block), one per block
       (or `None`), or a function from a block to its solver (or `None`); e.g. `lineax.Cholesky()`
@@ -184,20 +214,34 @@ def kfac_preconditioner(
       with the damping of that step. A failed solve (e.g. CG out of steps) gives NaNs: wrap the
       chain in `optax.apply_if_finite` to skip such steps. (Under `optax.inject_hyperparams`, a
       function given here must be listed in `static_args` too.)
+    - `norm_constraint`: `c`, or `None` (default): scale the preconditioned gradient `u = P g`
+      by `min(1, sqrt(c / uᵀg))`, so that `uᵀg` (the step's squared length in the curvature's
+      metric, and its first-order predicted decrease for a unit learning rate) is at most `c`.
+      `Optimizer(norm_constraint=c_opt)` at learning rate `lr` takes the same steps with
+      `c = c_opt / lr²`.
+    - `on_unmatched`: what to do when a parameter falls back to a generic (diagonal) block
+      because no layer accounts for it: `"warn"` (a `UserWarning` naming the parameters),
+      `"error"` or `"ignore"`; see `BlockDiagonalCurvature`.
+
+    The registration table (which block each parameter gets) is logged at INFO level on the
+    `"eqx_kfac"` logger. When `example_args` are arrays, the loss is evaluated on them once: a
+    loss summed over the batch instead of averaged raises `ValueError`.
 
     **Returns:**
 
     An `optax.GradientTransformationExtraArgs` whose `update(grads, state, params, *, batch,
-    key)` needs the current `params` (or model), this step's `batch` and a PRNG `key` for the
+    key)` needs the current `params` (or model), this step's `batch` (or, for a `loss_fn` with
+    more arguments, `loss_args=` all the arguments after the model) and a PRNG `key` for the
     sampled estimation modes (ignored by the exact ones). Its state is a
     `KFACPreconditionerState`.
     """
     example_args = tuple(example_args)
-    if len(example_args) != 2:
+    if len(example_args) < 2:
         raise ValueError(
-            "kfac_preconditioner: example_args must be `(model, batch)`, the arguments of "
-            f"loss_fn(model, batch); got {len(example_args)} arguments."
+            "kfac_preconditioner: example_args must be `(model, batch)` (or `(model, *loss_args)`), "
+            f"the arguments of loss_fn; got {len(example_args)} argument(s)."
         )
+    num_loss_args = len(example_args) - 1
     if estimation_mode not in ESTIMATION_MODES:
         raise ValueError(
             f"kfac_preconditioner: unknown estimation_mode {estimation_mode!r}; expected one of "
@@ -206,8 +250,10 @@ def kfac_preconditioner(
     curvature_update_period = _check_int("curvature_update_period", curvature_update_period)
     inverse_update_period = _check_int("inverse_update_period", inverse_update_period)
     inverse_solver = check_solver_choice(inverse_solver, "kfac_preconditioner")
+    check_on_unmatched(on_unmatched, "kfac_preconditioner")
     estimator = _estimator(
-        loss_fn, example_args, estimation_mode, layer_tag_to_block_ctor, inverse_solver
+        loss_fn, example_args, estimation_mode, layer_tag_to_block_ctor, inverse_solver,
+        on_unmatched, batch_size_extractor,
     )
     static_model = eqx.filter(example_args[0], eqx.is_inexact_array, inverse=True)
     use_cached = inverse_update_period != 1
@@ -238,14 +284,24 @@ def kfac_preconditioner(
         *,
         batch: PyTree = None,
         key: PRNGKeyArray | None = None,
+        loss_args: tuple[Any, ...] | None = None,
         **extra_args: Any,
     ) -> tuple[PyTree, KFACPreconditionerState]:
         # Other transformations of a chain may take extra arguments of their own.
         del extra_args
-        if batch is None:
+        if loss_args is None and num_loss_args == 1 and batch is not None:
+            loss_args = (batch,)
+        if loss_args is None or batch is not None and num_loss_args > 1:
+            call = "batch=..." if num_loss_args == 1 else f"loss_args=(...{num_loss_args} arguments...)"
             raise ValueError(
-                "kfac_preconditioner: update needs this step's batch: call "
-                "`update(grads, state, params, batch=..., key=...)`."
+                "kfac_preconditioner: update needs this step's arguments of loss_fn after the "
+                f"model: call `update(grads, state, params, {call}, key=...)`."
+            )
+        loss_args = tuple(loss_args)
+        if len(loss_args) != num_loss_args:
+            raise ValueError(
+                f"kfac_preconditioner: loss_args has {len(loss_args)} entries, but loss_fn takes "
+                f"{num_loss_args} arguments after the model (as in example_args)."
             )
         if key is None:
             if not estimation_mode.endswith("_exact"):
@@ -257,8 +313,8 @@ def kfac_preconditioner(
         count = state.count
         current_damping = damping(count) if callable(damping) else damping
         identity_weight = l2_reg + jnp.asarray(current_damping)
-        func_args = (model_from(params), batch)
-        batch_size = batch_size_extractor(batch)
+        func_args = (model_from(params), *loss_args)
+        batch_size = batch_size_of(estimator.func, func_args, 0, batch_size_extractor)
 
         def update_curvature(estimator_state: EstimatorState) -> EstimatorState:
             return estimator.update_curvature_matrix_estimate(
@@ -279,6 +335,9 @@ def kfac_preconditioner(
         preconditioned = estimator.multiply_matpower(
             estimator_state, grads, identity_weight, -1, use_exact_inverses, use_cached
         )
+        if norm_constraint is not None:
+            scale, _ = norm_constraint_scale(inner_product(preconditioned, grads), 1.0, norm_constraint)
+            preconditioned = jax.tree.map(lambda p: p * scale, preconditioned)
         preconditioned = jax.tree.map(lambda p, g: p.astype(g.dtype), preconditioned, grads)
         new_state = KFACPreconditionerState(
             count=optax.safe_increment(count), estimator_state=estimator_state

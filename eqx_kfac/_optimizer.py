@@ -33,7 +33,8 @@ from . import _distributed
 from ._blocks._solver_cache import check_solver_choice
 from ._control_flow import apply_if, periodic, select_changed
 from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
-from ._estimators.base import default_batch_size_extractor
+from ._estimators.fallbacks import check_on_unmatched
+from ._estimators.loss_checks import check_batch_size, check_loss_is_averaged
 from ._optimizer_compiled import burnin_keys, compiled_step, jitted_burnin
 from ._optimizer_config import (
     EstimatorCache,
@@ -122,7 +123,7 @@ class Optimizer(eqx.Module):
     multi_device: bool = eqx.field(static=True)
     mesh: Any = eqx.field(static=True)
     pmap_axis_name: str = eqx.field(static=True)
-    batch_size_extractor: Callable[[Any], Any] = eqx.field(static=True)
+    batch_size_extractor: Callable[[Any], Any] | None = eqx.field(static=True)
     include_norms_in_stats: bool = eqx.field(static=True)
     include_per_param_norms_in_stats: bool = eqx.field(static=True)
     distributed_precon_apply: bool = eqx.field(static=True)
@@ -132,6 +133,7 @@ class Optimizer(eqx.Module):
     donate_optimizer_state: bool = eqx.field(static=True)
     donate_batch_inputs: bool = eqx.field(static=True)
     donate_func_state: bool = eqx.field(static=True)
+    on_unmatched: str = eqx.field(static=True)
     _cache: EstimatorCache = eqx.field(static=True)
 
     def __init__(
@@ -170,7 +172,7 @@ class Optimizer(eqx.Module):
         multi_device: bool = False,
         mesh: Any = None,
         pmap_axis_name: str = "kfac_axis",
-        batch_size_extractor: Callable[[Any], Any] = default_batch_size_extractor,
+        batch_size_extractor: Callable[[Any], Any] | None = None,
         include_norms_in_stats: bool = False,
         include_per_param_norms_in_stats: bool = False,
         distributed_precon_apply: bool = True,
@@ -185,6 +187,7 @@ class Optimizer(eqx.Module):
         donate_batch_inputs: bool = False,
         donate_func_state: bool = False,
         inverse_solver: Any = None,
+        on_unmatched: str = "warn",
     ):
         """**Arguments:**
 
@@ -241,8 +244,8 @@ class Optimizer(eqx.Module):
         - `distributed_inverses`, `distributed_precon_apply`: with `multi_device`, each block's
           cache update / preconditioner product is computed by one device and shared, instead
           of by every device.
-        - `batch_size_extractor`: maps the (processed) batch to its size; default: the leading
-          dimension of its first array leaf.
+        - `batch_size_extractor`: maps the (processed) batch to its size; `None` (default): the
+          leading dimension of the registered losses' inputs, whatever else the batch holds.
         - `include_norms_in_stats`, `include_per_param_norms_in_stats`: add the norms of the
           parameters, gradient, preconditioned gradient and update to the statistics.
         - `skip_non_finite`: when the loss or gradient is not finite, return the parameters,
@@ -265,6 +268,10 @@ class Optimizer(eqx.Module):
           step, and the arrays you passed are deleted. Donate only what you replace with the
           step's outputs (`params, state, stats = optimizer.step(params, state, ...)`). Inside
           your own `jit`, use its `donate_argnums` instead.
+        - `on_unmatched`: what to do when a parameter falls back to a generic (diagonal) block
+          because no layer accounts for it (keyword only): `"warn"` (a `UserWarning` naming the
+          parameters, at the first step or `init`), `"error"` or `"ignore"`; see
+          `BlockDiagonalCurvature`.
         """
         value_func = check_constructor_arguments(
             value_and_grad_func=value_and_grad_func,
@@ -339,6 +346,7 @@ class Optimizer(eqx.Module):
         self.donate_optimizer_state = donate_optimizer_state
         self.donate_batch_inputs = donate_batch_inputs
         self.donate_func_state = donate_func_state
+        self.on_unmatched = check_on_unmatched(on_unmatched, "Optimizer")
         self._cache = EstimatorCache()
 
     # --- configuration helpers --------------------------------------------------------------
@@ -420,6 +428,7 @@ class Optimizer(eqx.Module):
             default_estimation_mode=self.estimation_mode,
             layer_tag_to_block_ctor=dict(self.layer_tag_to_block_ctor) or None,
             inverse_solver=self.inverse_solver,
+            on_unmatched=self.on_unmatched,
             **kwargs,
         )
         implicit = ImplicitExactCurvature(
@@ -438,7 +447,11 @@ class Optimizer(eqx.Module):
     def init(
         self, params: PyTree, rng: PRNGKeyArray, batch: PyTree, func_state: PyTree = None
     ) -> OptimizerState:
-        """Creates the optimizer state.
+        """Creates the optimizer state, and checks the loss against its registrations.
+
+        The loss is evaluated once on `batch`: a loss summed over the batch (instead of averaged,
+        as the curvature is) raises `ValueError`; an explicit `batch_size_extractor` that
+        disagrees with the registered losses' batch dimension warns.
 
         **Arguments:**
 
@@ -453,7 +466,13 @@ class Optimizer(eqx.Module):
         """
         check_func_state(self, func_state)
         func_args = self._func_args(params, func_state, rng, self._process(batch))
-        block_diagonal, _ = self.estimators(func_args)
+        block_diagonal, implicit = self.estimators(func_args)
+        batch_size = implicit.batch_size(func_args)
+        if self.batch_size_extractor is not None:
+            check_batch_size(self.value_func, func_args, batch_size)
+        if not self.multi_device:
+            # (Under `multi_device` the loss may use collectives, which need the step's map.)
+            check_loss_is_averaged(self.value_func, self._loss_of, func_args, batch_size)
         exact, approx = self._powers_to_cache
         filtered = eqx.filter(params, eqx.is_inexact_array)
         float_dtype = jnp.result_type(*jax.tree.leaves(filtered))
@@ -475,7 +494,7 @@ class Optimizer(eqx.Module):
         params: PyTree,
         state: OptimizerState,
         rng: PRNGKeyArray,
-        data_iterator: Iterator[Any] | None = None,
+        data_iterator: Any = None,
         batch: PyTree = None,
         func_state: PyTree = None,
         learning_rate: ArrayLike | None = None,
@@ -509,6 +528,13 @@ class Optimizer(eqx.Module):
         """
         if (data_iterator is None) == (batch is None):
             raise ValueError("Pass exactly one of data_iterator= and batch= to step.")
+        if data_iterator is not None and not isinstance(data_iterator, Iterator):
+            raise TypeError(
+                "Optimizer.step(params, state, rng, data_iterator=None, batch=None, ...): the fourth "
+                f"positional argument is `data_iterator`, an iterator of batches, but got a "
+                f"{type(data_iterator).__name__}. Pass a single batch by keyword: "
+                "`optimizer.step(params, state, rng, batch=batch)`."
+            )
         check_hyperparameters(self, learning_rate, momentum, damping)
         check_func_state(self, func_state)
         if not isinstance(state, OptimizerState):
@@ -552,9 +578,9 @@ class Optimizer(eqx.Module):
         key = _distributed.fold_in_device(key, self._axis)
         key, func_key = jax.random.split(key) if self.value_func_has_rng else (key, None)
         func_args = self._func_args(params, func_state, func_key, batch)
-        block_diagonal, _ = self.estimators(func_args)
+        block_diagonal, implicit = self.estimators(func_args)
         estimator_state = block_diagonal.update_curvature_matrix_estimate(
-            state.estimator_state, 1.0, 1.0, self.batch_size_extractor(batch), key, func_args,
+            state.estimator_state, 1.0, 1.0, implicit.batch_size(func_args), key, func_args,
             axis_name=self._axis,
         )
         return eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
@@ -618,7 +644,7 @@ class Optimizer(eqx.Module):
         rng, func_rng = jax.random.split(rng) if self.value_func_has_rng else (rng, None)
         func_args = self._func_args(params, func_state, func_rng, processed)
         block_diagonal, implicit = self.estimators(func_args)
-        batch_size = self.batch_size_extractor(processed)
+        batch_size = implicit.batch_size(func_args)
 
         out, grads = self.value_and_grad_func(*func_args)
         out = _distributed.pmean(out, self._axis)

@@ -64,6 +64,8 @@ class TracedFunction:
     - `layer_specs`: one `LayerSpec` per layer (tags in order of the jaxpr, then one generic spec
       per parameter leaf no tag claims, origin `"unregistered"`).
     - `loss_classes`: the class of each registered loss, in order.
+    - `loss_batch_size`: the leading dimension of the first registered loss's inputs (the
+      registrations' batch dimension).
     - `param_paths`: readable paths of all parameter leaves.
     - `params_treedef`: tree structure of a parameter-space vector.
     """
@@ -100,8 +102,10 @@ class TracedFunction:
                 "`eqx_kfac.register_squared_error_loss(prediction, targets)`) on the model's output "
                 "inside the function."
             )
-        self._loss_paths = tuple(path for path, _ in losses)
-        self.loss_classes = tuple(cls for _, cls in losses)
+        self._loss_paths = tuple(path for path, _, _ in losses)
+        self.loss_classes = tuple(cls for _, cls, _ in losses)
+        # The registrations' convention: the leading dimension of a loss's inputs is the batch.
+        self.loss_batch_size: int = losses[0][2]
         self.layer_specs = self._make_specs(layers, params_avals)
         self._spec_of_path = {occ.path: spec for occ, spec in zip(layers, self.layer_specs)}
         self._scan_of_spec = {spec.index: occ.scan_path for occ, spec in zip(layers, self.layer_specs)}
@@ -317,7 +321,8 @@ def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str]):
                         "(stack the per-step outputs and register them once)."
                     )
                 structure = eqn.params["structure"]
-                losses.append((here, type(structure.static)))
+                shape = eqn.invars[0].aval.shape
+                losses.append((here, type(structure.static), int(shape[0]) if shape else 1))
             elif is_layer_tag_eqn(eqn):
                 layers.append(_layer_occurrence(eqn, srcs, here, scans, param_paths))
             elif any(_contains_tags(sub) for sub in subjaxprs(eqn)):

@@ -92,6 +92,38 @@ def test_batch_arguments(opt_and_state):
     with pytest.raises(ValueError, match="batch from data_iterator does not have"):
         opt.step(PROBLEM.params, state, jax.random.key(0), data_iterator=iter([smaller]),
                  **FIXED)
+    # The batch passed positionally lands in `data_iterator`.
+    with pytest.raises(TypeError, match=r"fourth positional argument is `data_iterator`.*got a tuple.*batch=batch"):
+        opt.step(PROBLEM.params, state, jax.random.key(0), BATCH, **FIXED)
+
+
+def test_a_loss_summed_over_the_batch_is_refused_at_init():
+    def summed(params, batch):
+        return PROBLEM.loss_fn(params, batch) * batch[0].shape[0]
+
+    opt = Optimizer(eqx.filter_value_and_grad(summed), l2_reg=0.0)
+    with pytest.raises(ValueError, match=r"5 \(the batch size\) times the mean of its registered losses"):
+        opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    # An averaged loss with a regulariser passes.
+    def regularised(params, batch):
+        leaves = jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array))
+        return PROBLEM.loss_fn(params, batch) + 1e-3 * sum(jnp.sum(x**2) for x in leaves)
+
+    Optimizer(eqx.filter_value_and_grad(regularised), l2_reg=2e-3).init(PROBLEM.params, jax.random.key(0), BATCH)
+
+
+def test_batch_size_comes_from_the_registered_losses():
+    # Equinox's FAQ freezes part of a model by passing it in the batch: its first array is a weight.
+    trainable, frozen = eqx.partition(PROBLEM.params, lambda x: x is PROBLEM.params.layers[1].weight)
+    frozen_first = (frozen, *BATCH)
+
+    def loss(trainable, batch):
+        return PROBLEM.loss_fn(eqx.combine(trainable, batch[0]), batch[1:])
+
+    opt = Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0)
+    state = opt.init(trainable, jax.random.key(0), frozen_first)
+    *_, stats = opt.step(trainable, state, jax.random.key(1), batch=frozen_first, **FIXED)
+    assert jax.tree.leaves(frozen)[0].shape[0] != 5 and int(stats["batch_size"]) == 5
 
 
 def test_func_state_arguments(opt_and_state):

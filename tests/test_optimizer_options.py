@@ -222,7 +222,9 @@ def test_stats_norms_batch_processing_and_batch_size_extractor():
                      batch_size_extractor=lambda b: 2 * b[0].shape[0], inverse_update_period=1)
     params = PROBLEM.params
     batch = {"x": BATCH[0], "y": BATCH[1]}
-    state = opt.init(params, jax.random.key(0), batch)
+    # An extractor that disagrees with the registered losses' batch dimension is honoured, with a warning.
+    with pytest.warns(UserWarning, match="batch_size_extractor gives 10 examples, but the registered losses' inputs have 5"):
+        state = opt.init(params, jax.random.key(0), batch)
     new_params, state, stats = opt.step(params, state, jax.random.key(0), batch=batch,
                                         learning_rate=LR, momentum=MOM, damping=DAMP)
     assert int(stats["data_seen"]) == 10 and int(stats["batch_size"]) == 10

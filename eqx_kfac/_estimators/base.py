@@ -8,7 +8,7 @@ both block estimators use it.
 
 import abc
 import math
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -23,6 +23,7 @@ from .._blocks.base import CurvatureBlock, PowersLike
 from .._layer_data import LayerSpec
 from .._losses import LossFunction, NegativeLogProbLoss
 from .._operators import BlockDiagonalOperator
+from .._tracer import trace
 from .parameter_operator import ParameterSpaceOperator
 
 
@@ -57,6 +58,32 @@ def default_batch_size_extractor(batch: PyTree) -> int:
             "array leaves. Pass `batch_size_extractor=` explicitly."
         )
     return leaves[0].shape[0]
+
+
+def batch_size_of(
+    func: Callable[..., Any],
+    func_args: Sequence[Any],
+    params_index: int = 0,
+    batch_size_extractor: Callable[[Any], Any] | None = None,
+) -> Any:
+    """The number of examples in `func_args`, by which curvature statistics are averaged.
+
+    **Arguments:**
+
+    - `func`: the loss function, which registers its losses.
+    - `func_args`: its arguments.
+    - `params_index`: position of the parameters among them.
+    - `batch_size_extractor`: a function of the batch (the last argument), or `None` for the
+      leading dimension of the registered losses' inputs (their batch dimension: right whatever
+      else the batch holds, e.g. the frozen half of a partitioned model).
+
+    **Returns:**
+
+    The batch size (a Python integer unless the extractor computes an array).
+    """
+    if batch_size_extractor is None:
+        return trace(func, func_args, params_index).loss_batch_size
+    return batch_size_extractor(tuple(func_args)[-1])
 
 
 def check_estimation_mode(mode: str, losses: Sequence[LossFunction | type]) -> None:

@@ -39,9 +39,18 @@ _INTERNAL = tuple(
 )
 
 
-def _user_stacklevel(warning_frame: types.FrameType) -> int:
+def user_stacklevel(warning_frame: types.FrameType) -> int:
     """The `stacklevel` for a `warnings.warn` called in `warning_frame` that points at the first
-    frame outside eqx_kfac, JAX, Equinox and the type checkers (the user's call)."""
+    frame outside eqx_kfac, JAX, Equinox and the type checkers (the user's call).
+
+    **Arguments:**
+
+    - `warning_frame`: the frame calling `warnings.warn` (`sys._getframe()` there).
+
+    **Returns:**
+
+    The stack level.
+    """
     frame, level = warning_frame, 1
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
@@ -87,4 +96,4 @@ def report_fallbacks(specs: Sequence[LayerSpec], on_unmatched: str) -> None:
     )
     if on_unmatched == "error":
         raise ValueError(message)
-    warnings.warn(message, UserWarning, stacklevel=_user_stacklevel(sys._getframe()))
+    warnings.warn(message, UserWarning, stacklevel=user_stacklevel(sys._getframe()))

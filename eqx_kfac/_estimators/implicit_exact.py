@@ -10,7 +10,7 @@ from jaxtyping import Array, PyTree
 
 from .._losses import LossFunction
 from .._tracer import loss_tags_hvp, loss_tags_jvp, loss_tags_vjp
-from .base import check_estimation_mode, default_batch_size_extractor
+from .base import batch_size_of, check_estimation_mode
 
 
 def _scale(tree: PyTree, factor: Any) -> PyTree:
@@ -32,26 +32,27 @@ class ImplicitExactCurvature(eqx.Module):
 
     func: Callable[..., Any] = eqx.field(static=True)
     params_index: int = eqx.field(static=True)
-    batch_size_extractor: Callable[[Any], Any] = eqx.field(static=True)
+    batch_size_extractor: Callable[[Any], Any] | None = eqx.field(static=True)
 
     def __init__(
         self,
         func: Callable[..., Any],
         params_index: int = 0,
-        batch_size_extractor: Callable[[Any], Any] = default_batch_size_extractor,
+        batch_size_extractor: Callable[[Any], Any] | None = None,
     ):
         """**Arguments:**
 
         - `func`: the loss function; it must register at least one loss.
         - `params_index`: position of the parameters among the arguments of `func`.
-        - `batch_size_extractor`: maps the batch (the last argument of `func`) to the batch size.
+        - `batch_size_extractor`: maps the batch (the last argument of `func`) to the batch size;
+          `None` (default) takes the leading dimension of the registered losses' inputs.
         """
         self.func = func
         self.params_index = params_index
         self.batch_size_extractor = batch_size_extractor
 
     def batch_size(self, func_args: Sequence[Any]) -> Any:
-        """The batch size of `func_args`, by `batch_size_extractor` applied to its last entry.
+        """The batch size of `func_args` (see `batch_size_extractor`).
 
         **Arguments:**
 
@@ -59,9 +60,9 @@ class ImplicitExactCurvature(eqx.Module):
 
         **Returns:**
 
-        The batch size (a Python integer for the default extractor).
+        The batch size (a Python integer unless the extractor computes an array).
         """
-        return self.batch_size_extractor(tuple(func_args)[-1])
+        return batch_size_of(self.func, func_args, self.params_index, self.batch_size_extractor)
 
     def _losses_and_vjp(self, func_args: Sequence[Any]):
         return loss_tags_vjp(self.func, params_index=self.params_index)(tuple(func_args))
