@@ -80,6 +80,7 @@ from ._spectral import (
 )
 from ._optimizer import Optimizer as Optimizer, OptimizerState as OptimizerState
 from ._optax import (
+    kfac_optax as kfac_optax,
     kfac_preconditioner as kfac_preconditioner,
     KFACPreconditionerState as KFACPreconditionerState,
 )

@@ -86,13 +86,14 @@ class TracedFunction:
         others = [x for x, k in zip(leaves, self._kinds) if k == "other"]
         n_params = len(params_avals)
 
-        def flat(*dynamic):
-            return func(*self._unflatten(dynamic[:n_params], dynamic[n_params:]))
+        def flat(func):
+            # A new function per `func`: JAX caches traces by the function traced.
+            return lambda *dynamic: func(*self._unflatten(dynamic[:n_params], dynamic[n_params:]))
 
-        self.closed_jaxpr: ClosedJaxpr = jax.make_jaxpr(flat)(*params_avals, *others)
+        self.closed_jaxpr: ClosedJaxpr = jax.make_jaxpr(flat(func))(*params_avals, *others)
         if registers_inside_rules(self.closed_jaxpr.jaxpr):
-            func = through_derivative_rules(func, params_index)
-            self.closed_jaxpr = jax.make_jaxpr(flat)(*params_avals, *others)
+            expanded = flat(through_derivative_rules(func, params_index))
+            self.closed_jaxpr = jax.make_jaxpr(expanded)(*params_avals, *others)
         self.num_params = n_params
         layers, losses = _find_tags(self.closed_jaxpr.jaxpr, n_params, self.param_paths)
         if not losses:

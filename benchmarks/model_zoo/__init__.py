@@ -39,4 +39,6 @@ def make_zoo(key: PRNGKeyArray, names: tuple[str, ...] | None = None) -> dict[st
     A dict from name to `ZooProblem`.
     """
     names = tuple(PROBLEMS) if names is None else names
-    return {name: PROBLEMS[name](jax.random.fold_in(key, i)) for i, name in enumerate(names)}
+    # Each problem's key depends on its name only, not on which others are built.
+    order = sorted(PROBLEMS)
+    return {name: PROBLEMS[name](jax.random.fold_in(key, order.index(name))) for name in names}
