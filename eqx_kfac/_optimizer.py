@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from . import _distributed
 from ._blocks._solver_cache import check_solver_choice
-from ._control_flow import apply_if, periodic, select_changed
+from ._control_flow import periodic, select_changed
 from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
 from ._estimators.fallbacks import check_on_unmatched
 from ._estimators.loss_checks import check_batch_size, check_loss_is_averaged
@@ -367,6 +367,12 @@ class Optimizer(eqx.Module):
             return None, None
         return (-1, None) if self.use_exact_inverses else (None, -1)
 
+    def _keys(self, rng: PRNGKeyArray) -> tuple[PRNGKeyArray, PRNGKeyArray | None]:
+        """This device's key for the curvature's sampling, and one for the value function's
+        randomness (`None` without `value_func_has_rng`)."""
+        rng = _distributed.fold_in_device(rng, self._axis)
+        return tuple(jax.random.split(rng)) if self.value_func_has_rng else (rng, None)
+
     def _process(self, batch: Any) -> Any:
         return batch if self.batch_process_func is None else self.batch_process_func(batch)
 
@@ -575,8 +581,7 @@ class Optimizer(eqx.Module):
     ) -> OptimizerState:
         """One burn-in curvature update: summed statistics (ema_old = ema_new = 1)."""
         batch = self._process(batch)
-        key = _distributed.fold_in_device(key, self._axis)
-        key, func_key = jax.random.split(key) if self.value_func_has_rng else (key, None)
+        key, func_key = self._keys(key)
         func_args = self._func_args(params, func_state, func_key, batch)
         block_diagonal, implicit = self.estimators(func_args)
         estimator_state = block_diagonal.update_curvature_matrix_estimate(
@@ -638,10 +643,8 @@ class Optimizer(eqx.Module):
         step = state.step_counter
 
         processed = self._process(batch)
-        in_graph_burnin = burnin_in_graph and self.num_burnin_steps > 0
-        keys = burnin_keys(rng, self.num_burnin_steps) if in_graph_burnin else None
-        rng = _distributed.fold_in_device(rng, self._axis)
-        rng, func_rng = jax.random.split(rng) if self.value_func_has_rng else (rng, None)
+        step_key = rng
+        rng, func_rng = self._keys(rng)
         func_args = self._func_args(params, func_state, func_rng, processed)
         block_diagonal, implicit = self.estimators(func_args)
         batch_size = implicit.batch_size(func_args)
@@ -654,30 +657,27 @@ class Optimizer(eqx.Module):
         # (one select over the whole state at the end would copy it in every step).
         finite = jnp.isfinite(loss) & all_finite(grads) if self.skip_non_finite else None
 
-        if in_graph_burnin:
-            def burnin(s):
-                return jax.lax.fori_loop(
-                    0, self.num_burnin_steps,
-                    lambda i, s_: self._burnin_update(
-                        params, s_, keys[i], batch, func_state
-                    ),
-                    s,
-                )
+        # The burn-in (summed statistics, `num_burnin_steps` keys) at step 0 and this step's
+        # update (every `curvature_update_period` steps) are trips of one loop, so that the
+        # curvature update is compiled once. A step that is not finite takes none of them (and
+        # its burn-in is repeated at the next step 0).
+        burnin = self.num_burnin_steps if burnin_in_graph else 0
+        keys = jnp.concatenate([burnin_keys(step_key, burnin), step_key[None]]) if burnin else step_key[None]
+        trips = (step % self.curvature_update_period == 0).astype(int)
+        if burnin:
+            trips = trips + jnp.where(step == 0, burnin, 0)
+        if finite is not None:
+            trips = jnp.where(finite, trips, 0)
 
-            # Skipped with the step it belongs to (and repeated at the next step 0).
-            first = step == 0 if finite is None else (step == 0) & finite
-            state = apply_if(first, burnin, state)
-
-        def update_curvature(estimator_state):
-            updated = block_diagonal.update_curvature_matrix_estimate(
-                estimator_state, self.curvature_ema, 1.0, batch_size, rng, func_args,
-                axis_name=self._axis,
+        def update_curvature(i, estimator_state):
+            burning = i < jnp.where(step == 0, burnin, 0)
+            key, key_of_func = self._keys(keys[jnp.where(burning, i, burnin)])
+            return block_diagonal.update_curvature_matrix_estimate(
+                estimator_state, jnp.where(burning, 1.0, self.curvature_ema), 1.0, batch_size, key,
+                self._func_args(params, func_state, key_of_func, processed), axis_name=self._axis,
             )
-            return select_changed(finite, updated, estimator_state)
 
-        estimator_state = periodic(
-            self.curvature_update_period, step, update_curvature, state.estimator_state
-        )
+        estimator_state = jax.lax.fori_loop(0, trips, update_curvature, state.estimator_state)
 
         if self._use_cached_inverses:
             exact, approx = self._powers_to_cache

@@ -26,6 +26,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
 from .._control_flow import select_changed
+from .._linalg import limit_lapack_threads
 from .._operators import KroneckerOperator
 from .._quad_model import all_finite
 from .base import CurvatureBlock, power_key
@@ -93,6 +94,7 @@ def solver_takes_inverse(
 def _full_state(
     solver: lx.AbstractLinearSolver, factors: Sequence[Array], identity_weight: ArrayLike
 ) -> PyTree[Any]:
+    limit_lapack_threads()  # the solver may factorise through LAPACK (see `eqx_kfac._linalg`)
     return solver.init(damped_kronecker(factors, identity_weight), {})
 
 
