@@ -16,6 +16,7 @@ from ._blocks import (
     EmbeddingKroneckerFactored as EmbeddingKroneckerFactored,
     Full as Full,
     KroneckerFactored as KroneckerFactored,
+    KroneckerLayout as KroneckerLayout,
     NaiveDiagonal as NaiveDiagonal,
     NaiveFull as NaiveFull,
     ScaleAndShiftDiagonal as ScaleAndShiftDiagonal,
@@ -23,6 +24,17 @@ from ._blocks import (
     ScaledIdentity as ScaledIdentity,
 )
 from ._custom_loss import CustomLoss as CustomLoss, register_custom_loss as register_custom_loss
+from ._curvature_operators import (
+    AbstractCurvatureOperator as AbstractCurvatureOperator,
+    AbstractParameterLayout as AbstractParameterLayout,
+    AbstractSliceCurvatureOperator as AbstractSliceCurvatureOperator,
+    DiagonalCurvatureOperator as DiagonalCurvatureOperator,
+    EigenbasisCurvatureOperator as EigenbasisCurvatureOperator,
+    KroneckerCurvatureOperator as KroneckerCurvatureOperator,
+    ReshapeLayout as ReshapeLayout,
+    ScaledIdentityCurvatureOperator as ScaledIdentityCurvatureOperator,
+    StackedCurvatureOperator as StackedCurvatureOperator,
+)
 from ._estimators import (
     AbstractCurvatureEstimator as AbstractCurvatureEstimator,
     BlockDiagonalCurvature as BlockDiagonalCurvature,
@@ -76,6 +88,7 @@ from ._spectral import (
     eigenvalues as eigenvalues,
     frobenius_norm as frobenius_norm,
     logdet as logdet,
+    matpower as matpower,
     trace as trace,
 )
 from ._optimizer import Optimizer as Optimizer, OptimizerState as OptimizerState

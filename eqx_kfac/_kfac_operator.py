@@ -16,11 +16,21 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Inexact, PRNGKeyArray, PyTree
 
-from ._blocks.base import CurvatureBlock, WeightedMovingAverage
+from ._blocks.base import WeightedMovingAverage
 from ._blocks.kronecker import KroneckerFactored
-from ._estimators import BlockDiagonalCurvature, EstimatorState, default_batch_size_extractor
-from ._operators import kronecker_eigh, KroneckerOperator
-from ._spectral import eigenvalues, frobenius_norm, logdet, trace
+from ._curvature_operators import (
+    AbstractCurvatureOperator,
+    KroneckerCurvatureOperator,
+    StackedCurvatureOperator,
+)
+from ._estimators import (
+    BlockDiagonalCurvature,
+    default_batch_size_extractor,
+    EstimatorState,
+    ParameterSpaceOperator,
+)
+from ._operators import _identity_like
+from ._spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
 
 
 FISHER_TYPES: dict[str, str] = {
@@ -38,10 +48,13 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
     turns the per-example average into, for example, the curvature of a whole data set
     (`scaled(num_data)`), and `damping` adds a multiple of the identity (`damped(prior)` gives a
     Laplace posterior precision). Vectors have the structure of
-    `eqx.filter(params, eqx.is_inexact_array)`. Spectral quantities are computed block by block
-    from the blocks' eigenvalues (Kronecker blocks: from their factors), never from a dense matrix;
-    `as_matrix()` is for small models. The operator is symmetric positive semi-definite and is
-    tagged so for lineax.
+    `eqx.filter(params, eqx.is_inexact_array)`.
+
+    It is a view of the estimator's structured operator (`estimator.as_linear_operator`, one
+    curvature operator per block, scaled): products, spectral quantities, inverses and samples
+    are those of the blocks' operators (Kronecker blocks: from their factors), never of a dense
+    matrix; `as_matrix()` is for small models. The operator is symmetric positive
+    semi-definite and is tagged so for lineax.
 
     Build one from data with `kfac_linear_operator`, or from any `BlockDiagonalCurvature` and its
     state (e.g. the optimizer's) directly.
@@ -79,15 +92,29 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
         self.scale = jnp.asarray(scale, dtype)
         self.damping = jnp.asarray(damping, dtype)
 
+    def structured_operator(self, extra_damping: ArrayLike = 0.0) -> ParameterSpaceOperator:
+        """The operator (plus `extra_damping · I`) as the estimator's structured operator.
+
+        **Arguments:**
+
+        - `extra_damping`: a non-negative scalar added to the damping.
+
+        **Returns:**
+
+        A `ParameterSpaceOperator` over one curvature operator per block (each scaled by
+        `scale`), for `scale · C + (damping + extra_damping) · I`.
+        """
+        total = self.damping + extra_damping
+        operator = self.estimator.as_linear_operator(self.state, total / self.scale)
+        return _map_blocks(operator, lambda block: block.scaled(self.scale))
+
     # --- lineax interface ---------------------------------------------------------------------
 
     def mv(self, vector: PyTree[Inexact[Array, "..."]]) -> PyTree[Inexact[Array, "..."]]:
-        product = self.estimator.multiply(self.state, vector, 0.0)
-        return jax.tree.map(lambda p, v: self.scale * p + self.damping * v, product, vector)
+        return self.structured_operator().mv(vector)
 
     def as_matrix(self) -> Float[Array, "dim dim"]:
-        dense = self.estimator.to_dense_matrix(self.state)
-        return self.scale * dense + self.damping * jnp.eye(dense.shape[0], dtype=dense.dtype)
+        return self.structured_operator().as_matrix()
 
     def transpose(self) -> "KFACLinearOperator":
         return self
@@ -139,7 +166,7 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
 
         A flat array of `dim` eigenvalues `scale · λ_i(C) + damping`.
         """
-        return self.scale * self.estimator.eigenvalues(self.state) + self.damping
+        return eigenvalues(self.structured_operator())
 
     def trace(self) -> Float[Array, ""]:
         """The trace.
@@ -148,7 +175,7 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
 
         A scalar array.
         """
-        return jnp.sum(self.eigenvalues())
+        return trace(self.structured_operator())
 
     def logdet(self) -> Float[Array, ""]:
         """The log-determinant (`-inf` when the operator is singular).
@@ -157,7 +184,7 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
 
         A scalar array.
         """
-        return jnp.sum(jnp.log(self.eigenvalues()))
+        return logdet(self.structured_operator())
 
     def det(self) -> Float[Array, ""]:
         """The determinant (prefer `logdet`, which does not overflow).
@@ -175,7 +202,7 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
 
         A scalar array.
         """
-        return jnp.sqrt(jnp.sum(jnp.square(self.eigenvalues())))
+        return frobenius_norm(self.structured_operator())
 
     # --- inverse and sampling -----------------------------------------------------------------
 
@@ -184,8 +211,8 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
         damping: ArrayLike = 0.0,
         use_heuristic_damping: bool = False,
         use_exact_damping: bool = False,
-    ) -> lx.AbstractLinearOperator:
-        """An inverse of the operator with extra damping, as a symmetric PSD lineax operator.
+    ) -> ParameterSpaceOperator:
+        """An inverse of the operator with extra damping, as a structured PSD lineax operator.
 
         The total damping is `δ = self.damping + damping`. For a Kronecker block with factors
         `A ⊗ (scale·G)` (the scale is folded into the last factor):
@@ -196,8 +223,8 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
         - `use_exact_damping=True`: the exact `(scale · A ⊗ G + δI)⁻¹`, from the factors'
           eigendecompositions.
 
-        Blocks without Kronecker factors (diagonal, full, EK-FAC) are always inverted exactly.
-        Products recompute the factorisations; `jax.jit` the product to reuse them.
+        Blocks without Kronecker factors (diagonal, full, EK-FAC) are always inverted exactly
+        (a full block is a Kronecker operator with one factor, for which all three agree).
 
         **Arguments:**
 
@@ -207,39 +234,18 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
 
         **Returns:**
 
-        A `lineax.FunctionLinearOperator` on parameter-space vectors.
+        A `ParameterSpaceOperator` over the blocks' inverse curvature operators (so `trace`,
+        `logdet`, ... of the inverse are structured too).
         """
         if use_heuristic_damping and use_exact_damping:
             raise ValueError(
                 "KFACLinearOperator.inverse: use_heuristic_damping and use_exact_damping are "
                 "exclusive; pass at most one of them."
             )
-        total = self.damping + damping
-        if use_exact_damping or use_heuristic_damping:
-            relative = total / self.scale
-
-            def apply(vector):
-                product = self.estimator.multiply_inverse(
-                    self.state, vector, relative, exact_power=use_exact_damping
-                )
-                return jax.tree.map(lambda p: p / self.scale, product)
-
-        else:
-
-            def apply(vector):
-                blocks_vectors = self.estimator.params_vector_to_blocks_vectors(vector)
-                return self.estimator.blocks_vectors_to_params_vector(
-                    tuple(
-                        _factor_damped_inverse(block, state, v, total, self.scale)
-                        for block, state, v in zip(
-                            self.estimator.blocks, self.state.block_states, blocks_vectors
-                        )
-                    )
-                )
-
-        return lx.FunctionLinearOperator(
-            apply, self.in_structure(), tags=(lx.symmetric_tag, lx.positive_semidefinite_tag)
-        )
+        operator = self.structured_operator(damping)
+        if not (use_exact_damping or use_heuristic_damping):
+            operator = _map_blocks(operator, _each_factor_damped)
+        return matpower(operator, -1, exact=not use_heuristic_damping)
 
     def sample(
         self, key: PRNGKeyArray, prior_precision: ArrayLike = 0.0, num_samples: int | None = None
@@ -263,49 +269,42 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
 
         A parameter-space vector (with a leading sample axis when `num_samples` is given).
         """
-        if num_samples is not None:
-            keys = jax.random.split(key, num_samples)
-            return jax.vmap(lambda k: self.sample(k, prior_precision))(keys)
+        root = matpower(self.structured_operator(prior_precision), -0.5)
         structure = self.in_structure()
         leaves, treedef = jax.tree.flatten(structure)
-        keys = jax.random.split(key, len(leaves))
-        noise = jax.tree.unflatten(
-            treedef, [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)]
-        )
-        relative = (self.damping + prior_precision) / self.scale
-        root = self.estimator.multiply_matpower(
-            self.state, noise, relative, -0.5, exact_power=True, use_cached=False
-        )
-        return jax.tree.map(lambda r: r / jnp.sqrt(self.scale), root)
+
+        def one_sample(key):
+            keys = jax.random.split(key, len(leaves))
+            noise = [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)]
+            return root.mv(jax.tree.unflatten(treedef, noise))
+
+        if num_samples is None:
+            return one_sample(key)
+        return jax.vmap(one_sample)(jax.random.split(key, num_samples))
 
 
 def _dtype(estimator: BlockDiagonalCurvature) -> Any:
     return jnp.result_type(*(block.dtype for block in estimator.blocks))
 
 
-def _factor_damped_inverse(
-    block: CurvatureBlock,
-    block_state: eqx.Module,
-    vector: tuple[Array, ...],
-    damping: Array,
-    scale: Array,
-) -> tuple[Array, ...]:
-    """`((F_1 + δI) ⊗ ... ⊗ (scale·F_k + δI))⁻¹ v` for a Kronecker block; exact `(C + δI)⁻¹` else."""
-    if not isinstance(block, KroneckerFactored):
-        product = block.multiply_inverse(block_state, vector, damping / scale)
-        return tuple(p / scale for p in product)
+def _map_blocks(
+    operator: ParameterSpaceOperator,
+    fn: Callable[[AbstractCurvatureOperator], AbstractCurvatureOperator],
+) -> ParameterSpaceOperator:
+    """Applies `fn` to each block's curvature operator of an estimator's operator."""
+    blocks = tuple(fn(block) for block in operator.inner.blocks)
+    return eqx.tree_at(lambda op: op.inner.blocks, operator, blocks)
 
-    def one_slice(state, vec):
-        factors = [f.value for f in state.factors]
-        factors[-1] = scale * factors[-1]
-        eigh = kronecker_eigh(factors)
-        inverses = [(q / (s + damping)) @ q.T for s, q in zip(eigh.eigenvalues, eigh.eigenvectors)]
-        array = block._params_to_array(tuple(v.astype(block.dtype) for v in vec))
-        return block._array_to_params(KroneckerOperator(inverses).mv(array))
 
-    if block.spec.stack_size is None:
-        return one_slice(block_state, vector)
-    return jax.vmap(one_slice)(block_state, tuple(vector))
+def _each_factor_damped(operator: AbstractCurvatureOperator) -> AbstractCurvatureOperator:
+    """A Kronecker operator `⊗F_i + λI` becomes `⊗(F_i + λI)` (curvlinops); others are unchanged."""
+    if isinstance(operator, StackedCurvatureOperator):
+        return StackedCurvatureOperator(jax.vmap(_each_factor_damped)(operator.slices))
+    if not isinstance(operator, KroneckerCurvatureOperator):
+        return operator
+    damping = operator.damping
+    factors = tuple(f + damping * _identity_like(f) for f in operator.factors)
+    return KroneckerCurvatureOperator(factors, jnp.zeros_like(damping), operator.layout)
 
 
 def _identity_output_factors(estimator: BlockDiagonalCurvature, state: EstimatorState) -> EstimatorState:
@@ -432,35 +431,25 @@ def _(operator):
     return operator
 
 
-@lx.diagonal.register(KFACLinearOperator)
-def _(operator):
-    return jnp.diagonal(operator.as_matrix())
-
-
-@lx.tridiagonal.register(KFACLinearOperator)
-def _(operator):
-    matrix = operator.as_matrix()
-    return jnp.diagonal(matrix), jnp.diagonal(matrix, -1), jnp.diagonal(matrix, 1)
-
-
-@lx.is_symmetric.register(KFACLinearOperator)
-@lx.is_positive_semidefinite.register(KFACLinearOperator)
-def _(operator):
-    return True
-
-
-for _check in (
+# Everything else is the structured operator's: its spectral functions, diagonal and structure.
+for _function in (
+    trace,
+    logdet,
+    eigenvalues,
+    frobenius_norm,
+    matpower,
+    lx.diagonal,
+    lx.tridiagonal,
+    lx.is_symmetric,
+    lx.is_positive_semidefinite,
+    lx.is_negative_semidefinite,
     lx.is_diagonal,
     lx.is_tridiagonal,
     lx.has_unit_diagonal,
     lx.is_lower_triangular,
     lx.is_upper_triangular,
-    lx.is_negative_semidefinite,
 ):
-    _check.register(KFACLinearOperator)(lambda operator: False)
 
-
-trace.register(KFACLinearOperator)(lambda operator: operator.trace())
-logdet.register(KFACLinearOperator)(lambda operator: operator.logdet())
-eigenvalues.register(KFACLinearOperator)(lambda operator: operator.eigenvalues())
-frobenius_norm.register(KFACLinearOperator)(lambda operator: operator.frobenius_norm())
+    @_function.register(KFACLinearOperator)
+    def _(operator, *args, _function=_function, **kwargs):
+        return _function(operator.structured_operator(), *args, **kwargs)

@@ -480,10 +480,21 @@ def kronecker_damped_solve(
 # Pi-adjusted approximate damping
 
 
+def _identity_like(factor: Array) -> Array:
+    """The identity in the form of `factor`: a matrix, or for a diagonal factor a vector of ones."""
+    if factor.ndim == 1:
+        return jnp.ones_like(factor)
+    return jnp.eye(factor.shape[0], dtype=factor.dtype)
+
+
+def _factor_trace(factor: Array) -> Array:
+    return jnp.sum(factor) if factor.ndim == 1 else jnp.trace(factor)
+
+
 def pi_adjusted_damped_factors(
-    operator: KroneckerOperator | Sequence[Float[Array, "_ _"]],
+    operator: KroneckerOperator | Sequence[Float[Array, "_ _"] | Float[Array, " _"]],
     damping: ArrayLike,
-) -> tuple[Float[Array, "_ _"], ...]:
+) -> tuple[Float[Array, "_ _"] | Float[Array, " _"], ...]:
     """Kronecker factors whose product approximates `f_1 ⊗ ... ⊗ f_k + λI` (pi-adjusted damping).
 
     For two factors `A`, `G` this is `(A + π√λ I, G + √λ/π I)` with
@@ -497,12 +508,13 @@ def pi_adjusted_damped_factors(
 
     **Arguments:**
 
-    - `operator`: a PSD `KroneckerOperator` or its sequence of square PSD factors.
+    - `operator`: a PSD `KroneckerOperator` or its sequence of PSD factors: square matrices, or
+      vectors standing for diagonal matrices (e.g. the token frequencies of an embedding).
     - `damping`: `λ ≥ 0`, a scalar.
 
     **Returns:**
 
-    A tuple of square matrices, one per factor.
+    A tuple with one damped factor per factor, each a square matrix or, for a vector, a vector.
     """
     factors = operator.factors if isinstance(operator, KroneckerOperator) else tuple(operator)
     factors = tuple(jnp.asarray(f) for f in factors)
@@ -510,17 +522,19 @@ def pi_adjusted_damped_factors(
     k = len(factors)
     damping = jnp.asarray(damping)
     # A factor of size 0 makes the whole space empty; any positive mean keeps the algebra finite.
-    means = [jnp.trace(f) / n if n > 0 else jnp.ones((), f.dtype) for f, n in zip(factors, dims)]
+    means = [
+        _factor_trace(f) / n if n > 0 else jnp.ones((), f.dtype) for f, n in zip(factors, dims)
+    ]
     positive = ft.reduce(jnp.logical_and, [m > 0 for m in means])
     safe = [jnp.where(positive, m, 1.0) for m in means]
     root = damping ** (1.0 / k)
-    zero_case = tuple(root * jnp.eye(n, dtype=f.dtype) for f, n in zip(factors, dims))
+    zero_case = tuple(root * _identity_like(f) for f in factors)
 
     big = [i for i, n in enumerate(dims) if n != 1]
     if not big:
-        product = ft.reduce(jnp.multiply, [f[0, 0] for f in factors])
-        regular = (jnp.reshape(product + damping, (1, 1)),) + tuple(
-            jnp.ones((1, 1), f.dtype) for f in factors[1:]
+        product = ft.reduce(jnp.multiply, [jnp.reshape(f, (-1,))[0] for f in factors])
+        regular = (jnp.reshape(product + damping, factors[0].shape),) + tuple(
+            jnp.ones_like(f) for f in factors[1:]
         )
     else:
         scalar = ft.reduce(jnp.multiply, [safe[i] for i in range(k) if dims[i] == 1], 1.0)
@@ -531,9 +545,7 @@ def pi_adjusted_damped_factors(
         spread = scalar ** (1.0 / m)
         shares = [safe[i] * per_big * jnp.exp(-log_mean) for i in range(k)]
         regular = tuple(
-            jnp.ones((1, 1), f.dtype)
-            if n == 1
-            else spread * (f + shares[i] * jnp.eye(n, dtype=f.dtype))
+            jnp.ones_like(f) if n == 1 else spread * (f + shares[i] * _identity_like(f))
             for i, (f, n) in enumerate(zip(factors, dims))
         )
     return tuple(jnp.where(positive, r, z) for r, z in zip(regular, zero_case))

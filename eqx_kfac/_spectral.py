@@ -1,16 +1,20 @@
-"""Spectral functions of lineax operators: trace, Frobenius norm, eigenvalues, log-determinant.
+"""Spectral functions of lineax operators: trace, Frobenius norm, eigenvalues, log-determinant
+and matrix powers.
 
 Each is a `functools.singledispatch` function with structured rules (Kronecker products factor by
 factor, block diagonals block by block, damped Kronecker products `K + λI` from the factors'
-eigenvalues, sums and scalings term by term) and a dense fallback for any other operator.
+eigenvalues, sums and scalings term by term; the blocks' curvature operators register theirs)
+and a dense fallback for any other operator.
 """
 
 import functools as ft
 import math
 
+import jax
 import jax.numpy as jnp
 import lineax as lx
-from jaxtyping import Array, Float, Inexact
+from jax.flatten_util import ravel_pytree
+from jaxtyping import Array, ArrayLike, Float, Inexact
 
 from ._linalg import eigh
 from ._operators import (
@@ -18,9 +22,29 @@ from ._operators import (
     _kron_vectors,
     _symmetrise,
     BlockDiagonalOperator,
+    kronecker_damped_matpower,
     kronecker_eigh,
     KroneckerOperator,
+    pi_adjusted_inverse,
 )
+
+
+_PSD = (lx.symmetric_tag, lx.positive_semidefinite_tag)
+
+
+def scalar_power(x: ArrayLike, power: float | int) -> Array:
+    """`x ** power` elementwise, as a division for `power == -1` (exact like a solve).
+
+    **Arguments:**
+
+    - `x`: an array (e.g. damped eigenvalues).
+    - `power`: a Python number.
+
+    **Returns:**
+
+    An array shaped like `x`.
+    """
+    return 1.0 / x if power == -1 else jnp.power(x, power)
 
 
 def _require(check, operator: lx.AbstractLinearOperator, name: str, what: str, tag: str) -> None:
@@ -197,3 +221,55 @@ def _(operator):
 @logdet.register(BlockDiagonalOperator)
 def _(operator):
     return sum(logdet(block) for block in operator.blocks)
+
+
+@ft.singledispatch
+def matpower(
+    operator: lx.AbstractLinearOperator, power: float | int, exact: bool = True
+) -> lx.AbstractLinearOperator:
+    """The matrix power `operator^power` of a positive semi-definite operator, as an operator.
+
+    Structured operators keep their structure: the curvature operators of the blocks (K-FAC
+    factor by factor, exactly from the factors' eigendecompositions or with pi-adjusted damping),
+    block diagonals block by block, `K + λI` with `K` a PSD `KroneckerOperator` exactly from the
+    factors' eigendecompositions or as `pi_adjusted_inverse`. Any other lineax operator uses the
+    eigendecomposition of its dense matrix. With `power = -1` this is the (damped) inverse, so
+    `matpower(operator, -1).mv(b)` is a solve.
+
+    **Arguments:**
+
+    - `operator`: a symmetric PSD lineax operator (for `K + λI`: `K` tagged PSD and `λ ≥ 0`).
+    - `power`: `p`, a Python number.
+    - `exact`: `False` allows each structure's cheaper approximation of a damped power (pi-adjusted
+      factored damping for Kronecker products); other operators are always exact.
+
+    **Returns:**
+
+    A symmetric PSD lineax operator with the structure of `operator`. Eigenvalues that are zero
+    give infinities for negative powers.
+    """
+    damped = _damped_kronecker(operator)
+    if damped is not None:
+        kron, damping = damped
+        if not exact:
+            return pi_adjusted_inverse(kron, damping, power)
+        decomposition = kronecker_eigh(kron)
+        return lx.FunctionLinearOperator(
+            lambda v: kronecker_damped_matpower(decomposition, v, damping, power),
+            kron.in_structure(),
+            tags=_PSD,
+        )
+    _require(lx.is_positive_semidefinite, operator, "matpower", "positive semi-definite",
+             "positive_semidefinite_tag")
+    values, vectors = eigh(_symmetrise(operator.as_matrix()))
+    matrix = (vectors * scalar_power(jnp.maximum(values, 0.0), power)) @ vectors.T
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), operator.in_structure())
+    _, unravel = ravel_pytree(zeros)
+    return lx.FunctionLinearOperator(
+        lambda v: unravel(matrix @ ravel_pytree(v)[0]), operator.in_structure(), tags=_PSD
+    )
+
+
+@matpower.register(BlockDiagonalOperator)
+def _(operator, power, exact=True):
+    return BlockDiagonalOperator(tuple(matpower(b, power, exact) for b in operator.blocks))

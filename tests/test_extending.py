@@ -24,7 +24,7 @@ def page():
 
 def test_pattern_registers_the_layer_with_the_new_block(page):
     registration = page["estimator"].registrations()["gain.log_gain"]
-    assert registration == ("gain", "GainDiagonal", "gain")
+    assert registration == ("gain", "GainDiagonal", "gain", "")
 
 
 def test_block_is_the_exact_ggn_diagonal(page):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqx_kfac
+from eqx_kfac._blocks.kronecker import KroneckerLayout
 from eqx_kfac._solvers import damped_block_operator, solve, solve_block
 
 from block_helpers import dense_spec, flat, random_data, random_vector
@@ -79,7 +80,7 @@ def test_operator_matches_dense_matrix():
             _close(operator.as_matrix(), dense)
         elif cls is eqx_kfac.DenseTwoKroneckerFactored:
             # Same matrix up to the canonical ordering of the parameters.
-            order = block._canonical_order()
+            order = KroneckerLayout(block).canonical_order()
             _close(operator.as_matrix(), dense[np.ix_(order, order)])
         assert lx.is_positive_semidefinite(operator)
 

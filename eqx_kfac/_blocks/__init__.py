@@ -23,6 +23,7 @@ from .identity import ScaledIdentity as ScaledIdentity, ScaledIdentityState as S
 from .kronecker import (
     DenseTwoKroneckerFactored as DenseTwoKroneckerFactored,
     KroneckerFactored as KroneckerFactored,
+    KroneckerLayout as KroneckerLayout,
     KroneckerState as KroneckerState,
 )
 from .conv2d import (

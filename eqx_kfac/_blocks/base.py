@@ -17,6 +17,8 @@ slice** (one ordinary layer):
 - `_multiply_matpower(state, vector, identity_weight, power, exact_power, use_cached) -> vector`
 - `_eigenvalues(state, use_cached) -> Float[Array, "dim"]`
 - `_to_dense(state) -> Float[Array, "dim dim"]`
+- optionally `_slice_operator(state, identity_weight) -> AbstractSliceCurvatureOperator`: the damped
+  curvature as a structured operator (default: the dense matrix of `_to_dense`)
 
 Most new blocks subclass a family instead (`Diagonal`, `Full`, `KroneckerFactored`), which
 implement all of the above and leave only the layer-specific statistics abstract.
@@ -29,11 +31,20 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import lineax as lx
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import Array, Float, PRNGKeyArray, Shaped
+from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._curvature_operators import (
+    AbstractCurvatureOperator,
+    AbstractSliceCurvatureOperator,
+    flatten_vector as flatten_vector,
+    KroneckerCurvatureOperator,
+    ReshapeLayout,
+    StackedCurvatureOperator,
+    unflatten_vector as unflatten_vector,
+    unstack_block_diagonal,
+)
 from .._layer_data import EstimationData, LayerSpec
 
 
@@ -526,16 +537,18 @@ class CurvatureBlock(eqx.Module):
         dense = self._stacked(self._to_dense, state)
         if self.spec.stack_size is None:
             return dense
-        return _unstack_block_diagonal(dense, self.spec.param_shapes)
+        return unstack_block_diagonal(dense, self.spec.param_shapes)
 
     def as_linear_operator(
         self, state: eqx.Module, identity_weight: ArrayLike = 0.0
-    ) -> lx.AbstractLinearOperator:
-        """The damped curvature `C + identity_weight I` as a PSD-tagged lineax operator.
+    ) -> AbstractCurvatureOperator:
+        """The damped curvature `C + identity_weight I` as a structured, PSD lineax operator.
 
         Its input structure is the tuple of the parameters' `jax.ShapeDtypeStruct`s (in the
-        statistics dtype). Blocks with structure (e.g. Kronecker) override this to return a
-        structured operator; the default wraps `multiply` (exact, uncached).
+        statistics dtype). The operator keeps the block's structure (Kronecker factors, an
+        eigenbasis, a diagonal, ...; see `_slice_operator`), so `eqx_kfac.trace`, `logdet`,
+        `eigenvalues`, `frobenius_norm` and `matpower` work on it without forming a dense
+        matrix; a stacked layer gives a `StackedCurvatureOperator` over its slices.
 
         **Arguments:**
 
@@ -544,14 +557,13 @@ class CurvatureBlock(eqx.Module):
 
         **Returns:**
 
-        A `lineax.AbstractLinearOperator` tagged symmetric and positive semidefinite.
+        An `AbstractCurvatureOperator`, tagged symmetric and positive semidefinite for lineax.
         """
-        structure = tuple(jax.ShapeDtypeStruct(s, self.dtype) for s in self.param_shapes)
-        return lx.FunctionLinearOperator(
-            lambda v: self.multiply(state, v, identity_weight, exact_power=True, use_cached=False),
-            structure,
-            tags=(lx.symmetric_tag, lx.positive_semidefinite_tag),
-        )
+        weight = jnp.asarray(identity_weight, self.dtype)
+        operator = self._stacked(lambda s: self._slice_operator(s, weight), state)
+        if self.spec.stack_size is None:
+            return operator
+        return StackedCurvatureOperator(operator)
 
     # --- per-slice implementation (subclasses) --------------------------------------------
 
@@ -606,6 +618,19 @@ class CurvatureBlock(eqx.Module):
     def _to_dense(self, state: eqx.Module) -> Array:
         """Dense `(slice_dim, slice_dim)` matrix of one slice."""
 
+    def _slice_operator(
+        self, state: eqx.Module, identity_weight: ArrayLike
+    ) -> AbstractSliceCurvatureOperator:
+        """The damped curvature of one slice as a structured operator.
+
+        The families return their structure (`KroneckerCurvatureOperator`,
+        `EigenbasisCurvatureOperator`, `DiagonalCurvatureOperator`, ...). A block without one
+        is seen as its dense matrix (a one-factor Kronecker operator on the flat parameters,
+        `O(slice_dim²)` memory): override this to keep a structure.
+        """
+        layout = ReshapeLayout(self.spec.param_shapes, (self.slice_dim,))
+        return KroneckerCurvatureOperator((self._to_dense(state),), identity_weight, layout)
+
     def _missing_cache(self, what: str, argument: str) -> ValueError:
         return ValueError(
             f"{type(self).__name__} for the {self.spec.describe} has no cached {what}: pass it "
@@ -617,62 +642,6 @@ class CurvatureBlock(eqx.Module):
         """Raises `_missing_cache(what, argument)` unless `key` was declared in the cache."""
         if key not in cache:
             raise self._missing_cache(what, argument)
-
-
-def _unstack_block_diagonal(
-    slices: Float[Array, "stack d d"], shapes: tuple[tuple[int, ...], ...]
-) -> Float[Array, "n n"]:
-    """Assembles per-slice dense matrices into the dense matrix over stacked parameter leaves.
-
-    Slice `s`, parameter `k`, element `e` sits at `stack * offset_k + s * size_k + e` in the
-    flattened stacked leaves, but at `s * slice_dim + offset_k + e` in the block diagonal.
-    """
-    stack, d, _ = slices.shape
-    sizes = [int(np.prod(s, dtype=int)) for s in shapes]
-    offsets = np.cumsum([0, *sizes[:-1]])
-    position = np.concatenate(
-        [
-            stack * off + s * size + np.arange(size)
-            for s in range(stack)
-            for off, size in zip(offsets, sizes)
-        ]
-    ).astype(int)
-    dense = jnp.zeros((stack * d, stack * d), slices.dtype)
-    block = jax.scipy.linalg.block_diag(*[slices[s] for s in range(stack)])
-    return dense.at[position[:, None], position[None, :]].set(block)
-
-
-def flatten_vector(vector: Sequence[Shaped[Array, "..."]]) -> Array:
-    """Concatenates the row-major flattenings of a tuple of arrays.
-
-    **Arguments:**
-
-    - `vector`: arrays (e.g. a block vector).
-
-    **Returns:**
-
-    A flat array.
-    """
-    return jnp.concatenate([jnp.reshape(v, (-1,)) for v in vector])
-
-
-def unflatten_vector(flat: Array, shapes: Sequence[tuple[int, ...]]) -> tuple[Array, ...]:
-    """Splits a flat array into arrays of the given shapes (inverse of `flatten_vector`).
-
-    **Arguments:**
-
-    - `flat`: a flat array whose leading axis has `sum(prod(shape))` entries (trailing axes
-      are kept).
-    - `shapes`: the target shapes.
-
-    **Returns:**
-
-    A tuple of arrays of shapes `shape + flat.shape[1:]`.
-    """
-    sizes = [int(np.prod(s, dtype=int)) for s in shapes]
-    splits = np.cumsum(sizes)[:-1].tolist()
-    parts = jnp.split(flat, splits, axis=0)
-    return tuple(jnp.reshape(p, (*s, *flat.shape[1:])) for p, s in zip(parts, shapes))
 
 
 # --- statistics shared by the diagonal and full families ------------------------------------

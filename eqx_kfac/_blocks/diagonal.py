@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
+from .._curvature_operators import DiagonalCurvatureOperator
 from .._layer_data import EstimationData, LayerSpec
 from ._layer_stats import (
     check_dense_spec,
@@ -93,12 +94,7 @@ class Diagonal(CurvatureBlock):
         use_cached: bool,
     ) -> tuple[Array, ...]:
         del exact_power, use_cached
-        if power == -1:
-            return tuple(v / (d.value + identity_weight) for d, v in zip(state.diagonals, vector))
-        return tuple(
-            jnp.power(d.value + identity_weight, power) * v
-            for d, v in zip(state.diagonals, vector)
-        )
+        return self._slice_operator(state, identity_weight).matpower(power).mv(vector)
 
     def _eigenvalues(self, state: DiagonalState, use_cached: bool) -> Array:
         del use_cached
@@ -106,6 +102,11 @@ class Diagonal(CurvatureBlock):
 
     def _to_dense(self, state: DiagonalState) -> Array:
         return jnp.diag(self._eigenvalues(state, False))
+
+    def _slice_operator(
+        self, state: DiagonalState, identity_weight: ArrayLike
+    ) -> DiagonalCurvatureOperator:
+        return DiagonalCurvatureOperator(tuple(d.value for d in state.diagonals), identity_weight)
 
 
 class NaiveDiagonal(Diagonal):

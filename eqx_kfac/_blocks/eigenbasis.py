@@ -19,12 +19,13 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
+from .._curvature_operators import EigenbasisCurvatureOperator
 from .._layer_data import EstimationData, LayerSpec
 from .._operators import kronecker_eigh, KroneckerOperator
 from ._layer_stats import dense_gradient_samples, dense_layout
 from .base import CurvatureBlock, Power, WeightedMovingAverage
 from .conv2d import Conv2DTwoKroneckerFactored, conv_gradient_samples
-from .kronecker import DenseTwoKroneckerFactored, KroneckerFactored
+from .kronecker import DenseTwoKroneckerFactored, KroneckerFactored, KroneckerLayout
 
 
 class EigenbasisState(eqx.Module):
@@ -149,23 +150,22 @@ class AbstractEigenbasisKFAC(CurvatureBlock):
         use_cached: bool,
     ) -> tuple[Array, ...]:
         del exact_power, use_cached
-        kron = self.kronecker
-        array = kron._params_to_array(tuple(v.astype(self.dtype) for v in vector))
-        rotated = KroneckerOperator(tuple(q.T for q in state.eigenvectors)).mv(array)
-        values = state.scaling.value + identity_weight
-        scale = 1.0 / values if power == -1 else values**power
-        result = KroneckerOperator(state.eigenvectors).mv(scale * rotated)
-        return kron._array_to_params(result)
+        return self._slice_operator(state, identity_weight).matpower(power).mv(vector)
 
     def _eigenvalues(self, state: EigenbasisState, use_cached: bool) -> Array:
         del use_cached
         return jnp.reshape(state.scaling.value, (-1,))
 
     def _to_dense(self, state: EigenbasisState) -> Array:
-        basis = KroneckerOperator(state.eigenvectors).as_matrix()
-        canonical = (basis * jnp.reshape(state.scaling.value, (-1,))) @ basis.T
-        position = np.argsort(self.kronecker._canonical_order())
-        return canonical[position[:, None], position[None, :]]
+        return self._slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
+
+    def _slice_operator(
+        self, state: EigenbasisState, identity_weight: ArrayLike
+    ) -> EigenbasisCurvatureOperator:
+        layout = KroneckerLayout(self.kronecker)
+        return EigenbasisCurvatureOperator(
+            state.eigenvectors, state.scaling.value, identity_weight, layout
+        )
 
 
 class DenseEigenbasisKFAC(AbstractEigenbasisKFAC):

@@ -8,6 +8,11 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
+from .._curvature_operators import (
+    EigenbasisCurvatureOperator,
+    KroneckerCurvatureOperator,
+    ReshapeLayout,
+)
 from .._layer_data import EstimationData, LayerSpec
 from .._operators import kronecker_eigh
 from .base import CurvatureBlock, power_key, Power, WeightedMovingAverage
@@ -30,11 +35,6 @@ class EmbeddingState(eqx.Module):
     cache: dict[str, tuple[Array, ...]]
 
 
-def _matpower(vals: Array, vecs: Array, shift: ArrayLike, power: Power) -> Array:
-    scaled = 1.0 / (vals + shift) if power == -1 else (vals + shift) ** power
-    return (vecs * scaled) @ vecs.T
-
-
 class EmbeddingKroneckerFactored(CurvatureBlock):
     """K-FAC for an embedding `y = table[ids]`, i.e. `y = one_hot(ids) @ table` (final).
 
@@ -46,7 +46,9 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
     (vocabulary rows, feature columns). Exact powers use `G`'s eigendecomposition and the
     frequencies directly; approximate powers use pi-adjusted damping
     `(diag(a) + π√λ)^p ⊗ (G + √λ/π)^p`, `π = sqrt(mean(a) / (tr G / features))` (each factor gets
-    `√λ` when either trace is zero). Memory `O(vocab + features²)`, so large vocabularies are cheap.
+    `√λ` when either trace is zero; `pi_adjusted_damped_factors` with the frequencies as a
+    diagonal factor). Its operator (`as_linear_operator`) is a `KroneckerCurvatureOperator` with
+    that diagonal factor. Memory `O(vocab + features²)`, so large vocabularies are cheap.
 
     It is the default block of the `"embedding"` tag, which the default graph pattern binds on
     every `eqx.nn.Embedding` lookup (any table shape); `register_embedding` registers a lookup by
@@ -106,18 +108,6 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             cache=state.cache,
         )
 
-    def _pi_adjusted(self, state: EmbeddingState, damping: ArrayLike, power: Power) -> tuple[Array, Array]:
-        """The damped, powered diagonal and output factor of the pi-adjusted approximation."""
-        a, g = state.frequencies.value, state.output_factor.value
-        mean_a, mean_g = jnp.mean(a), jnp.trace(g) / g.shape[0]
-        positive = (mean_a > 0) & (mean_g > 0)
-        pi = jnp.where(positive, jnp.sqrt(jnp.where(positive, mean_a / mean_g, 1.0)), 1.0)
-        root = jnp.sqrt(damping)
-        eigh = kronecker_eigh([g])
-        diagonal = a + pi * root
-        diagonal = 1.0 / diagonal if power == -1 else diagonal**power
-        return diagonal, _matpower(eigh.eigenvalues[0], eigh.eigenvectors[0], root / pi, power)
-
     def _update_cache(
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
     ) -> EmbeddingState:
@@ -134,7 +124,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         for p in approx_powers:
             key = f"approx {power_key(p)}"
             self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
-            cache[key] = self._pi_adjusted(state, identity_weight, float(p))
+            cache[key] = self._slice_operator(state, identity_weight).matpower(p, False).factors
         return EmbeddingState(
             frequencies=state.frequencies, output_factor=state.output_factor, cache=cache
         )
@@ -148,27 +138,22 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         exact_power: bool,
         use_cached: bool,
     ) -> tuple[Array, ...]:
-        table = vector[0].astype(self.dtype)
-        a = state.frequencies.value
-        if power == 1 and exact_power:
-            return (a[:, None] * (table @ state.output_factor.value) + identity_weight * table,)
+        if not use_cached or power == 1:
+            operator = self._slice_operator(state, identity_weight)
+            return operator.matpower(power, exact_power).mv(vector)
         if exact_power:
-            if use_cached:
-                self._require_cache(state.cache, "eigenvectors", f"exact power {power}", "exact_powers_to_cache")
-                (vals,), (vecs,) = state.cache["eigenvalues"], state.cache["eigenvectors"]
-            else:
-                eigh = kronecker_eigh([state.output_factor.value])
-                (vals,), (vecs,) = eigh.eigenvalues, eigh.eigenvectors
-            values = a[:, None] * vals[None, :] + identity_weight
-            scale = 1.0 / values if power == -1 else values**power
-            return (((table @ vecs) * scale) @ vecs.T,)
-        if use_cached and power != 1:
-            key = f"approx {power_key(power)}"
-            self._require_cache(state.cache, key, f"approximate power {power}", "approx_powers_to_cache")
-            diagonal, right = state.cache[key]
-        else:
-            diagonal, right = self._pi_adjusted(state, identity_weight, power)
-        return (diagonal[:, None] * (table @ right),)
+            what = f"exact power {power}"
+            self._require_cache(state.cache, "eigenvectors", what, "exact_powers_to_cache")
+            (vals,), (vecs,) = state.cache["eigenvalues"], state.cache["eigenvectors"]
+            spectrum = jnp.outer(state.frequencies.value, vals)
+            cached = EigenbasisCurvatureOperator(
+                (None, vecs), spectrum, identity_weight, self._layout
+            )
+            return cached.matpower(power).mv(vector)
+        key = f"approx {power_key(power)}"
+        what = f"approximate power {power}"
+        self._require_cache(state.cache, key, what, "approx_powers_to_cache")
+        return KroneckerCurvatureOperator(state.cache[key], 0.0, self._layout).mv(vector)
 
     def _eigenvalues(self, state: EmbeddingState, use_cached: bool) -> Array:
         if not use_cached:
@@ -180,4 +165,14 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         return jnp.reshape(state.frequencies.value[:, None] * vals[None, :], (-1,))
 
     def _to_dense(self, state: EmbeddingState) -> Array:
-        return jnp.kron(jnp.diag(state.frequencies.value), state.output_factor.value)
+        return self._slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
+
+    @property
+    def _layout(self) -> ReshapeLayout:
+        return ReshapeLayout(self.spec.param_shapes, self._sizes)
+
+    def _slice_operator(
+        self, state: EmbeddingState, identity_weight: ArrayLike
+    ) -> KroneckerCurvatureOperator:
+        factors = (state.frequencies.value, state.output_factor.value)
+        return KroneckerCurvatureOperator(factors, identity_weight, self._layout)

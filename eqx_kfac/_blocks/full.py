@@ -9,6 +9,7 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
+from .._curvature_operators import KroneckerCurvatureOperator, ReshapeLayout
 from .._layer_data import EstimationData, LayerSpec
 from .._operators import kronecker_damped_matpower, kronecker_eigh, KroneckerEigh, pi_adjusted_inverse
 from ._layer_stats import (
@@ -161,6 +162,12 @@ class Full(CurvatureBlock):
 
     def _to_dense(self, state: FullState) -> Array:
         return state.matrix.value
+
+    def _slice_operator(
+        self, state: FullState, identity_weight: ArrayLike
+    ) -> KroneckerCurvatureOperator:
+        layout = ReshapeLayout(self.spec.param_shapes, (self.slice_dim,))
+        return KroneckerCurvatureOperator((state.matrix.value,), identity_weight, layout)
 
 
 class NaiveFull(Full):

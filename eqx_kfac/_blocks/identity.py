@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
+from .._curvature_operators import ScaledIdentityCurvatureOperator
 from .._layer_data import EstimationData, LayerSpec
 from .base import CurvatureBlock, Power
 
@@ -62,9 +63,8 @@ class ScaledIdentity(CurvatureBlock):
         exact_power: bool,
         use_cached: bool,
     ) -> tuple[Array, ...]:
-        del state, exact_power, use_cached
-        factor = jnp.power(jnp.asarray(self.scale + identity_weight, self.dtype), power)
-        return tuple(factor * v for v in vector)
+        del exact_power, use_cached
+        return self._slice_operator(state, identity_weight).matpower(power).mv(vector)
 
     def _eigenvalues(self, state: ScaledIdentityState, use_cached: bool) -> Array:
         del state, use_cached
@@ -73,3 +73,11 @@ class ScaledIdentity(CurvatureBlock):
     def _to_dense(self, state: ScaledIdentityState) -> Array:
         del state
         return self.scale * jnp.eye(self.slice_dim, dtype=self.dtype)
+
+    def _slice_operator(
+        self, state: ScaledIdentityState, identity_weight: ArrayLike
+    ) -> ScaledIdentityCurvatureOperator:
+        del state
+        return ScaledIdentityCurvatureOperator(
+            jnp.asarray(self.scale, self.dtype), identity_weight, self.spec.param_shapes
+        )

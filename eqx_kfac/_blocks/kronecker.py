@@ -1,19 +1,19 @@
 """Kronecker-factored curvature blocks (K-FAC): `C ≈ A ⊗ G` kept as its factors."""
 
 import abc
-import functools as ft
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
+from .._curvature_operators import AbstractParameterLayout, KroneckerCurvatureOperator
 from .._layer_data import EstimationData, LayerSpec
 from .._operators import (
+    _kron_vectors,
     apply_factors,
     kronecker_damped_matpower,
     kronecker_eigh,
@@ -37,7 +37,6 @@ from .base import (
     CurvatureBlock,
     power_key,
     Power,
-    unflatten_vector,
     WeightedMovingAverage,
 )
 
@@ -193,7 +192,7 @@ class KroneckerFactored(CurvatureBlock):
             key = f"approx {power_key(p)}"
             self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
             if p == -1:
-                cache[key] = refreshed_inverse_factors(factors, identity_weight)
+                cache[key] = refreshed_inverse_factors(factors, identity_weight, cache[key])
             else:
                 cache[key] = pi_adjusted_inverse(factors, identity_weight, float(p)).factors
         return KroneckerState(factors=state.factors, cache=cache)
@@ -245,18 +244,43 @@ class KroneckerFactored(CurvatureBlock):
             raise self._missing_cache("eigenvalues", "cache_eigenvalues")
         else:
             values = state.cache["eigenvalues"]
-        return ft.reduce(lambda a, b: jnp.reshape(a[:, None] * b[None, :], (-1,)), values)
+        return _kron_vectors(values)
 
-    def _canonical_order(self) -> np.ndarray:
-        """For each entry of the row-major canonical array, its index in the flat parameters."""
-        with jax.ensure_compile_time_eval():
-            indices = unflatten_vector(jnp.arange(self.slice_dim), self.spec.param_shapes)
-            return np.asarray(self._params_to_array(indices)).reshape(-1)
+    def _slice_operator(
+        self, state: KroneckerState, identity_weight: ArrayLike
+    ) -> KroneckerCurvatureOperator:
+        return KroneckerCurvatureOperator(
+            self._factor_values(state), identity_weight, KroneckerLayout(self)
+        )
 
     def _to_dense(self, state: KroneckerState) -> Array:
-        canonical = KroneckerOperator(self._factor_values(state)).as_matrix()
-        position = np.argsort(self._canonical_order())
-        return canonical[position[:, None], position[None, :]]
+        return self._slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
+
+
+class KroneckerLayout(AbstractParameterLayout):
+    """The canonical array `factor_dims` of a `KroneckerFactored` block (final).
+
+    **Fields:**
+
+    - `block`: the block whose `_params_to_array` / `_array_to_params` define the arrangement
+      (static).
+    """
+
+    block: KroneckerFactored = eqx.field(static=True)
+
+    @property
+    def param_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self.block.spec.param_shapes
+
+    @property
+    def array_shape(self) -> tuple[int, ...]:
+        return self.block.factor_dims
+
+    def to_array(self, vector: tuple[Array, ...]) -> Array:
+        return self.block._params_to_array(tuple(vector))
+
+    def from_array(self, array: Array) -> tuple[Array, ...]:
+        return self.block._array_to_params(array)
 
 
 class DenseTwoKroneckerFactored(KroneckerFactored):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Inexact, PyTree
 
-from .._spectral import eigenvalues, frobenius_norm, logdet, trace
+from .._spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
 
 
 class ParameterSpaceOperator(lx.AbstractLinearOperator):
@@ -18,7 +18,8 @@ class ParameterSpaceOperator(lx.AbstractLinearOperator):
     vectors (the structure of `eqx.filter(params, eqx.is_inexact_array)`), routing each leaf to
     its block and back. `as_matrix()` is ordered like the parameter leaves, each flattened
     row-major. Trace, log-determinant, eigenvalues and Frobenius norm are those of `inner`
-    (a permutation changes none of them), so they keep its structure.
+    (a permutation changes none of them), and `matpower` is `inner`'s routed the same way, so
+    they keep its structure.
 
     **Fields:**
 
@@ -118,3 +119,10 @@ for _spectral in (trace, frobenius_norm, eigenvalues, logdet):
     @_spectral.register(ParameterSpaceOperator)
     def _(operator, _spectral=_spectral):
         return _spectral(operator.inner)
+
+
+@matpower.register(ParameterSpaceOperator)
+def _(operator, power, exact=True):
+    return ParameterSpaceOperator(
+        matpower(operator.inner, power, exact), operator.treedef, operator.block_indices
+    )
