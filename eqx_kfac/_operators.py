@@ -12,8 +12,9 @@ Numerical safety: factors are symmetrised before any decomposition. If an eigend
 finite input comes back non-finite (a known failure of some GPU solvers), it is retried on the
 factor shifted by a small multiple of its scale, and the shift is subtracted from the eigenvalues.
 Inverses of damped factors use block elimination with Cholesky factorisations at the leaves;
-if one comes back non-finite (singular or indefinite by rounding), the inverse is taken from
-the eigendecomposition with eigenvalues floored at a relative epsilon (that is, more damping).
+if one comes back non-finite (singular or indefinite by rounding), `pi_adjusted_inverse` takes it
+from the eigendecomposition with eigenvalues floored at a relative epsilon (that is, more
+damping), and a cache refresh (`refreshed_inverse_factors`) keeps the previous inverse.
 Non-finite input has no sane answer and yields non-finite output, which
 `lineax.linear_solve` reports as a failed solve.
 """
@@ -28,9 +29,7 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, ArrayLike, Float, Inexact, PyTree
 
-from ._control_flow import apply_if
 from ._linalg import eigh, spd_inverse
-from ._quad_model import all_finite
 
 
 def _frozenset(tags: object) -> frozenset[object]:
@@ -551,19 +550,13 @@ def pi_adjusted_damped_factors(
     return tuple(jnp.where(positive, r, z) for r, z in zip(regular, zero_case))
 
 
-def _floored_eigh_inverse(matrix: Array) -> Array:
-    vals, vecs = _guarded_eigh(matrix)
-    finfo = jnp.finfo(matrix.dtype)
-    floor = finfo.eps * matrix.shape[0] * jnp.max(jnp.abs(vals), initial=0.0) + finfo.tiny
-    vals = jnp.maximum(vals, floor)
-    return (vecs / vals) @ vecs.T
-
-
-# Leaves are at most this size: LAPACK's triangular solves (OpenBLAS, through jaxlib) start
-# OpenBLAS's own threads from 32 rows on, and those threads spin for ~0.1 s after each call,
-# taking a core from XLA's thread pool for the rest of the step (measured: a refresh with
-# 256-leaves cost 150 ms inside the step against 90 ms alone). Below 32 they stay on one thread.
-_BLOCK_INVERSE_LEAF = 31
+# Leaves are at most this size. A multi-threaded OpenBLAS starts its own threads for triangular
+# solves from 32 rows on, which spin and take cores from XLA (a refresh with 256-row leaves took
+# 150 ms inside the step against 90 ms alone); with LAPACK's BLAS on one thread (see
+# `eqx_kfac._linalg`) larger leaves are as fast, and the unrolled recursion, whose size is the
+# number of leaves, compiles in a fraction of the time (measured on the 16 factors of a
+# 784-1000-500-250-30 autoencoder: 31-row leaves 21.5 s, 255-row leaves 3.7 s, 128 against 121 ms).
+_BLOCK_INVERSE_LEAF = 255
 
 
 def _matmul(a: Array, b: Array) -> Array:
@@ -593,51 +586,66 @@ def _block_spd_inverse(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
     return jnp.block([[top_left, -p], [-p.T, s_inv]])
 
 
-def _damped_inverses(
-    factors: tuple[Array, ...], damping: Array, in_place: bool = False
-) -> tuple[Array, ...]:
-    """The inverses of the pi-adjusted damped factors, with the floored-eigenvalue fallback
-    (in place with `apply_if` when `in_place`, else in a differentiable `cond`)."""
-    inverses = tuple(
-        _block_spd_inverse(d) for d in pi_adjusted_damped_factors(factors, damping)
-    )
+def _floored_eigh_inverse(matrix: Array) -> Array:
+    vals, vecs = _guarded_eigh(matrix)
+    finfo = jnp.finfo(matrix.dtype)
+    floor = finfo.eps * matrix.shape[0] * jnp.max(jnp.abs(vals), initial=0.0) + finfo.tiny
+    vals = jnp.maximum(vals, floor)
+    return (vecs / vals) @ vecs.T
+
+
+def _invert_damped(damped: Array) -> Array:
+    return 1.0 / damped if damped.ndim == 1 else _block_spd_inverse(damped)
+
+
+def _damped_inverses(factors: tuple[Array, ...], damping: Array) -> tuple[Array, ...]:
+    """The inverses of the pi-adjusted damped factors, with the floored-eigenvalue fallback in a
+    differentiable `cond`."""
+    inverses = tuple(_invert_damped(d) for d in pi_adjusted_damped_factors(factors, damping))
 
     def fallback(factors, damping, inverses):
         damped = pi_adjusted_damped_factors(factors, damping)
         return tuple(
-            jnp.where(jnp.all(jnp.isfinite(i)), i, _floored_eigh_inverse(_symmetrise(d)))
+            jnp.where(jnp.all(jnp.isfinite(i)), i, 1.0 / d if d.ndim == 1 else _floored_eigh_inverse(_symmetrise(d)))
             for d, i in zip(damped, inverses)
         )
 
     # The branch operands are the raw factors, not the damped ones: the damped factors are
     # consumed by the inversion as they are computed, and handing them to `cond` too would
     # materialise them (a copy of every factor in every refresh, measured 2.5 ms per 1000²).
-    finite = all_finite(inverses)
-    if in_place:
-        return apply_if(~finite, lambda i: fallback(factors, damping, i), inverses)
+    finite = ft.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(i)) for i in inverses])
     return jax.lax.cond(finite, lambda f, d, i: i, fallback, factors, damping, inverses)
 
 
 def refreshed_inverse_factors(
-    factors: Sequence[Float[Array, "_ _"]], damping: ArrayLike
+    factors: Sequence[Float[Array, "_ _"]],
+    damping: ArrayLike,
+    previous: Sequence[Float[Array, "_ _"]],
 ) -> tuple[Float[Array, "_ _"], ...]:
     """The factors of `pi_adjusted_inverse(factors, damping)`, for a cache refresh.
 
-    The same values, but the eigendecomposition fallback overwrites the failed inverses in
-    place (`apply_if`) instead of returning a second copy of them from a `cond` (4.5 MiB less
-    per step on the benchmark autoencoder). It cannot be reverse-differentiated.
+    An inverse that comes back non-finite (a damped factor singular or indefinite by rounding,
+    which needs a damping far below the factor's scale) keeps its `previous` value instead of
+    the public function's eigendecomposition fallback: the refresh then compiles to the
+    inversions alone, with no fallback code per factor (the fallback doubled the refresh's
+    compile time), and a failed refresh leaves the cache as it was, as a failed solver
+    factorisation does.
 
     **Arguments:**
 
     - `factors`: the square PSD Kronecker factors.
     - `damping`: `λ ≥ 0`, a scalar.
+    - `previous`: the cached inverses to keep where the new ones are not finite.
 
     **Returns:**
 
     One inverse per factor.
     """
-    factors = tuple(jnp.asarray(f) for f in factors)
-    return _damped_inverses(factors, jnp.asarray(damping), in_place=True)
+    damped = pi_adjusted_damped_factors(tuple(jnp.asarray(f) for f in factors), damping)
+    return tuple(
+        jnp.where(jnp.all(jnp.isfinite(inverse)), inverse, old)
+        for inverse, old in zip(map(_invert_damped, damped), previous)
+    )
 
 
 def _psd_matpower(matrix: Float[Array, "n n"], power: float) -> Float[Array, "n n"]:
@@ -656,7 +664,7 @@ def pi_adjusted_inverse(
     `(A + π√λ I)⁻¹ ⊗ (G + √λ/π I)⁻¹`. The inverse uses block elimination with Cholesky
     factorisations at the leaves, falling back to an eigendecomposition with floored eigenvalues
     when that is not finite; other powers use the eigendecomposition. The result is PSD-tagged
-    and can be cached and applied with `.mv`.
+    and can be cached and applied with `.mv`; it is differentiable.
 
     **Arguments:**
 

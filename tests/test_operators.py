@@ -341,20 +341,21 @@ def test_singular_damped_factor_falls_back_to_finite_inverse():
 
 
 @pytest.mark.parametrize("singular", [False, True])
-def test_refreshed_inverse_factors_equal_pi_adjusted_inverse(singular):
-    # The cache refresh's path (fallback in place, a while_loop) against the public one (cond):
-    # the same computation, so equal to rounding, with and without a failed Cholesky.
+def test_refreshed_inverse_factors_equal_pi_adjusted_inverse_or_keep_the_previous(singular):
+    # The cache refresh's path against the public one: the same inversion, so equal to rounding;
+    # where an inversion fails (a singular undamped factor), the refresh keeps the previous
+    # inverse instead of the public function's eigendecomposition fallback.
     rng = np.random.default_rng(4)
     x = rng.standard_normal((40, 3 if singular else 60))
     factors = [jnp.asarray(x @ x.T), jnp.asarray(_psd(rng, 5))]
     damping = 0.0 if singular else 0.3
+    previous = [jnp.full((40, 40), 7.0), jnp.full((5, 5), 8.0)]
     if singular:
         assert not np.all(np.isfinite(np.asarray(O._block_spd_inverse(factors[0]))))
     expected = O.pi_adjusted_inverse(factors, damping).factors
-    got = jax.jit(O.refreshed_inverse_factors)(factors, damping)
-    for g, e in zip(got, expected):
-        assert np.all(np.isfinite(g))
-        np.testing.assert_allclose(g, e, rtol=1e-8, atol=1e-10 * np.abs(e).max())
+    got = jax.jit(O.refreshed_inverse_factors)(factors, damping, previous)
+    np.testing.assert_allclose(got[0], previous[0] if singular else expected[0], rtol=1e-8)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-8, atol=1e-10 * np.abs(expected[1]).max())
 
 
 def test_non_finite_eigh_is_retried(monkeypatch):
