@@ -1,21 +1,20 @@
 """`Optimizer`: the K-FAC optimizer with kfac-jax's semantics, as a pure, Equinox-native step.
 
-One step (kfac-jax's order of operations):
+The optimizer is built from parts, each an `eqx.Module` (see "Building a variant"):
 
-1. learning rate, momentum and damping from the step arguments, the schedules or the state;
-2. at step 0, `num_burnin_steps` curvature updates (from the data iterator or the step's batch);
-3. the curvature estimate is updated with the batch (every `curvature_update_period` steps);
-4. loss and gradients from `value_and_grad_func`;
-5. every `inverse_update_period` steps the cached damped inverses are refreshed;
-6. the gradient is preconditioned with `(C + (l2_reg + damping) I)⁻¹` and, with
-   `norm_constraint`, scaled down;
-7. the coefficients of the preconditioned gradient and the previous update: fixed/scheduled, or
-   minimising the exact quadratic model;
-8. the update is applied and becomes the new velocity;
-9. every `damping_adaptation_interval` steps (adaptive damping) the damping follows `ρ`.
+- the curvature estimator (`BlockDiagonalCurvature`, traced from the loss on first use);
+- a `RefreshSchedule`: the burn-in, and when statistics and cached inverses are updated;
+- an `AbstractDirection`: the preconditioned gradient `(C + (l2_reg + λ) I)⁻¹ g`, possibly
+  shortened by a norm constraint;
+- an `AbstractStepRule`: the update from the direction and the previous update (learning rate and
+  momentum given, scheduled, or from the exact quadratic model);
+- an `AbstractDampingRule`: the damping `λ` (given, scheduled, or Levenberg-Marquardt from `ρ`).
 
-Every decision that depends on the step counter is taken inside the compiled graph (`lax.cond`),
-so `step` gives the same result called directly or inside a user's `jit`.
+The kfac-jax keywords of the constructor build these parts. One step, in kfac-jax's order:
+damping; loss and gradient; curvature updates (with the burn-in at step 0) and the cache
+refresh; direction; update; damping adaptation. Every decision that depends on the step counter
+is taken inside the compiled graph, so `step` gives the same result called directly or inside a
+user's `jit`.
 """
 
 import logging
@@ -26,61 +25,57 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 from jax.typing import ArrayLike
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from . import _distributed
 from ._blocks._solver_cache import check_solver_choice
-from ._control_flow import periodic, select_changed
+from ._control_flow import select_changed
 from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
 from ._estimators.fallbacks import check_on_unmatched
 from ._estimators.loss_checks import check_batch_size, check_loss_is_averaged
-from ._optimizer_compiled import burnin_keys, compiled_step, jitted_burnin
+from ._optim.context import StepContext
+from ._optim.damping import AbstractDampingRule
+from ._optim.direction import AbstractDirection
+from ._optim.hyperparameters import Schedule
+from ._optim.refresh import RefreshSchedule, burnin_keys
+from ._optim.step_rule import AbstractStepRule
+from ._optimizer_compiled import compiled_step, jitted_burnin
 from ._optimizer_config import (
     EstimatorCache,
     OptimizerState as OptimizerState,
-    Schedule,
     abstract,
-    call_schedule,
     check_batch,
-    check_constructor_arguments,
     check_func_state,
-    check_hyperparameters,
+    parts_from_keywords,
     signature,
 )
-from ._quad_model import (
-    QuadraticModel,
-    all_finite,
-    gram_matrix,
-    inner_product,
-    levenberg_marquardt_damping,
-    norm_constraint_scale,
-    quadratic_model,
-    solve_quadratic_model,
-)
+from ._quad_model import all_finite
 
 
 logger = logging.getLogger("eqx_kfac")
 
-def _norm(tree: PyTree[Array]) -> Float[Array, ""]:
-    return jnp.sqrt(inner_product(tree, tree))
 
-
-def _per_param_norms(tree: PyTree[Array], prefix: str) -> dict[str, Array]:
-    with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+def _norms(trees: Mapping[str, PyTree[Array]], per_param: bool) -> dict[str, Array]:
+    """`{name: |tree|}`, or with `per_param` one norm per leaf, named `name(path)`."""
+    if not per_param:
+        return {name: optax.tree.norm(tree) for name, tree in trees.items()}
     return {
-        f"{prefix}({jax.tree_util.keystr(path).lstrip('.')})": jnp.linalg.norm(leaf.reshape(-1))
-        for path, leaf in with_paths
+        f"{name}({jax.tree_util.keystr(path).lstrip('.')})": jnp.linalg.norm(leaf.reshape(-1))
+        for name, tree in trees.items()
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
 
 
 class Optimizer(eqx.Module):
-    """The K-FAC optimizer (kfac-jax's `Optimizer`, Equinox-native and pure).
+    """The K-FAC optimizer (kfac-jax's `Optimizer`, Equinox-native, pure, and built from parts).
 
     Build it once from a `value_and_grad_func`; `init` creates an `Optimizer.State`; `step`
     returns new parameters, state and statistics. Both are pure: call `step` directly (it is
     compiled once per argument structure and cached) or inside your own `eqx.filter_jit` /
-    `jax.jit`. See the "Optimizer" documentation page for every option and advice on damping.
+    `jax.jit`. See the "Optimizer" documentation page for every option and advice on damping, and
+    "Building a variant" for the parts.
     """
 
     State: ClassVar[type[OptimizerState]] = OptimizerState
@@ -92,48 +87,25 @@ class Optimizer(eqx.Module):
     value_func_has_aux: bool = eqx.field(static=True)
     value_func_has_state: bool = eqx.field(static=True)
     value_func_has_rng: bool = eqx.field(static=True)
-    use_adaptive_learning_rate: bool = eqx.field(static=True)
-    learning_rate_schedule: Schedule | None = eqx.field(static=True)
-    use_adaptive_momentum: bool = eqx.field(static=True)
-    momentum_schedule: Schedule | None = eqx.field(static=True)
-    use_adaptive_damping: bool = eqx.field(static=True)
-    damping_schedule: Schedule | None = eqx.field(static=True)
-    initial_damping: float | None = eqx.field(static=True)
-    min_damping: float = eqx.field(static=True)
-    max_damping: float = eqx.field(static=True)
-    include_damping_in_quad_change: bool = eqx.field(static=True)
-    damping_adaptation_interval: int = eqx.field(static=True)
-    damping_adaptation_decay: float = eqx.field(static=True)
-    damping_lower_threshold: float = eqx.field(static=True)
-    damping_upper_threshold: float = eqx.field(static=True)
-    always_use_exact_qmodel_for_damping_adjustment: bool = eqx.field(static=True)
-    norm_constraint: float | None = eqx.field(static=True)
-    num_burnin_steps: int = eqx.field(static=True)
+    damping_rule: AbstractDampingRule
+    step_rule: AbstractStepRule
+    direction: AbstractDirection
+    refresh: RefreshSchedule
     estimation_mode: str = eqx.field(static=True)
-    curvature_ema: float = eqx.field(static=True)
-    curvature_update_period: int = eqx.field(static=True)
-    inverse_update_period: int = eqx.field(static=True)
-    use_exact_inverses: bool = eqx.field(static=True)
     batch_process_func: Callable[[Any], Any] | None = eqx.field(static=True)
-    register_only_generic: bool = eqx.field(static=True)
-    patterns_to_skip: tuple[str, ...] = eqx.field(static=True)
-    auto_register_kwargs: tuple[tuple[str, Any], ...] = eqx.field(static=True)
-    layer_tag_to_block_ctor: tuple[tuple[str, Any], ...] = eqx.field(static=True)
-    inverse_solver: Any = eqx.field(static=True)
+    estimator_kwargs: tuple[tuple[str, Any], ...] = eqx.field(static=True)
     multi_device: bool = eqx.field(static=True)
     mesh: Any = eqx.field(static=True)
     pmap_axis_name: str = eqx.field(static=True)
     batch_size_extractor: Callable[[Any], Any] | None = eqx.field(static=True)
     include_norms_in_stats: bool = eqx.field(static=True)
     include_per_param_norms_in_stats: bool = eqx.field(static=True)
-    distributed_precon_apply: bool = eqx.field(static=True)
     distributed_inverses: bool = eqx.field(static=True)
     skip_non_finite: bool = eqx.field(static=True)
     donate_parameters: bool = eqx.field(static=True)
     donate_optimizer_state: bool = eqx.field(static=True)
     donate_batch_inputs: bool = eqx.field(static=True)
     donate_func_state: bool = eqx.field(static=True)
-    on_unmatched: str = eqx.field(static=True)
     _cache: EstimatorCache = eqx.field(static=True)
 
     def __init__(
@@ -188,6 +160,10 @@ class Optimizer(eqx.Module):
         donate_func_state: bool = False,
         inverse_solver: Any = None,
         on_unmatched: str = "warn",
+        damping_rule: AbstractDampingRule | None = None,
+        step_rule: AbstractStepRule | None = None,
+        direction: AbstractDirection | None = None,
+        refresh: RefreshSchedule | None = None,
     ):
         """**Arguments:**
 
@@ -272,81 +248,54 @@ class Optimizer(eqx.Module):
           because no layer accounts for it (keyword only): `"warn"` (a `UserWarning` naming the
           parameters, at the first step or `init`), `"error"` or `"ignore"`; see
           `BlockDiagonalCurvature`.
+        - `damping_rule`, `step_rule`, `direction`, `refresh` (keyword only): the optimizer's
+          parts, given directly instead of through the keywords above that build them (see
+          "Building a variant"): an `AbstractDampingRule` (damping keywords), an
+          `AbstractStepRule` (learning-rate and momentum keywords), an `AbstractDirection`
+          (`use_exact_inverses`, `norm_constraint`, `distributed_precon_apply`) and a
+          `RefreshSchedule` (`num_burnin_steps`, `curvature_update_period`,
+          `inverse_update_period`, `curvature_ema`). Giving a part together with a keyword of
+          its own raises `ValueError`.
         """
-        value_func = check_constructor_arguments(
-            value_and_grad_func=value_and_grad_func,
-            value_func=value_func,
-            mesh=mesh,
-            pmap_axis_name=pmap_axis_name,
-            use_adaptive_learning_rate=use_adaptive_learning_rate,
-            learning_rate_schedule=learning_rate_schedule,
-            use_adaptive_momentum=use_adaptive_momentum,
-            momentum_schedule=momentum_schedule,
-            use_adaptive_damping=use_adaptive_damping,
-            damping_schedule=damping_schedule,
-            initial_damping=initial_damping,
-            norm_constraint=norm_constraint,
-            estimation_mode=estimation_mode,
-            damping_adaptation_interval=damping_adaptation_interval,
-            inverse_update_period=inverse_update_period,
-            curvature_update_period=curvature_update_period,
-            num_burnin_steps=num_burnin_steps,
-            damping_adaptation_decay=damping_adaptation_decay,
-            damping_lower_threshold=damping_lower_threshold,
-            damping_upper_threshold=damping_upper_threshold,
-            curvature_ema=curvature_ema,
-        )
+        keywords = dict(locals())
+        parts = parts_from_keywords(keywords)
         self.value_and_grad_func = value_and_grad_func
-        self.value_func = value_func
-        self.value_func_for_estimator = value_func_for_estimator or value_func
+        self.value_func = parts.value_func
+        self.value_func_for_estimator = value_func_for_estimator or parts.value_func
         self.l2_reg = l2_reg
         self.value_func_has_aux = value_func_has_aux
         self.value_func_has_state = value_func_has_state
         self.value_func_has_rng = value_func_has_rng
-        self.use_adaptive_learning_rate = use_adaptive_learning_rate
-        self.learning_rate_schedule = learning_rate_schedule
-        self.use_adaptive_momentum = use_adaptive_momentum
-        self.momentum_schedule = momentum_schedule
-        self.use_adaptive_damping = use_adaptive_damping
-        self.damping_schedule = damping_schedule
-        self.initial_damping = initial_damping
-        self.min_damping = min_damping
-        self.max_damping = max_damping
-        self.include_damping_in_quad_change = include_damping_in_quad_change
-        self.damping_adaptation_interval = damping_adaptation_interval
-        self.damping_adaptation_decay = damping_adaptation_decay
-        self.damping_lower_threshold = damping_lower_threshold
-        self.damping_upper_threshold = damping_upper_threshold
-        self.always_use_exact_qmodel_for_damping_adjustment = (
-            always_use_exact_qmodel_for_damping_adjustment
-        )
-        self.norm_constraint = norm_constraint
-        self.num_burnin_steps = num_burnin_steps
+        self.damping_rule = parts.damping_rule
+        self.step_rule = parts.step_rule
+        self.direction = parts.direction
+        self.refresh = parts.refresh
         self.estimation_mode = estimation_mode
-        self.curvature_ema = curvature_ema
-        self.curvature_update_period = curvature_update_period
-        self.inverse_update_period = inverse_update_period
-        self.use_exact_inverses = use_exact_inverses
         self.batch_process_func = batch_process_func
-        self.register_only_generic = register_only_generic
-        self.patterns_to_skip = tuple(patterns_to_skip)
-        self.auto_register_kwargs = tuple(sorted((auto_register_kwargs or {}).items()))
-        self.layer_tag_to_block_ctor = tuple(sorted((layer_tag_to_block_ctor or {}).items()))
-        self.inverse_solver = check_solver_choice(inverse_solver, "Optimizer")
+        auto = dict(auto_register_kwargs or {})
+        if register_only_generic:
+            auto["register_only_generic"] = True
+        if patterns_to_skip:
+            auto["patterns_to_skip"] = tuple(patterns_to_skip)
+        self.estimator_kwargs = tuple(sorted(dict(
+            auto,
+            default_estimation_mode=estimation_mode,
+            layer_tag_to_block_ctor=tuple(sorted((layer_tag_to_block_ctor or {}).items())),
+            inverse_solver=check_solver_choice(inverse_solver, "Optimizer"),
+            on_unmatched=check_on_unmatched(on_unmatched, "Optimizer"),
+        ).items()))
         self.multi_device = multi_device
         self.mesh = mesh
         self.pmap_axis_name = pmap_axis_name
         self.batch_size_extractor = batch_size_extractor
         self.include_norms_in_stats = include_norms_in_stats
         self.include_per_param_norms_in_stats = include_per_param_norms_in_stats
-        self.distributed_precon_apply = distributed_precon_apply
         self.distributed_inverses = distributed_inverses
         self.skip_non_finite = skip_non_finite
         self.donate_parameters = donate_parameters
         self.donate_optimizer_state = donate_optimizer_state
         self.donate_batch_inputs = donate_batch_inputs
         self.donate_func_state = donate_func_state
-        self.on_unmatched = check_on_unmatched(on_unmatched, "Optimizer")
         self._cache = EstimatorCache()
 
     # --- configuration helpers --------------------------------------------------------------
@@ -355,17 +304,6 @@ class Optimizer(eqx.Module):
     def _axis(self) -> str | None:
         """The data axis inside the step, `None` on one device."""
         return self.pmap_axis_name if self.multi_device else None
-
-    @property
-    def _use_cached_inverses(self) -> bool:
-        return self.inverse_update_period != 1
-
-    @property
-    def _powers_to_cache(self) -> tuple[int | None, int | None]:
-        """(exact, approximate) powers the estimator caches."""
-        if not self._use_cached_inverses:
-            return None, None
-        return (-1, None) if self.use_exact_inverses else (None, -1)
 
     def _keys(self, rng: PRNGKeyArray) -> tuple[PRNGKeyArray, PRNGKeyArray | None]:
         """This device's key for the curvature's sampling, and one for the value function's
@@ -422,20 +360,10 @@ class Optimizer(eqx.Module):
             key = None
         if key is not None and key in self._cache.entries:
             return self._cache.entries[key]
-        kwargs = dict(self.auto_register_kwargs)
-        if self.register_only_generic:
-            kwargs["register_only_generic"] = True
-        if self.patterns_to_skip:
-            kwargs["patterns_to_skip"] = self.patterns_to_skip
+        kwargs = dict(self.estimator_kwargs)
+        kwargs["layer_tag_to_block_ctor"] = dict(kwargs["layer_tag_to_block_ctor"]) or None
         block_diagonal = BlockDiagonalCurvature(
-            self.value_func_for_estimator,
-            abstract_args,
-            params_index=0,
-            default_estimation_mode=self.estimation_mode,
-            layer_tag_to_block_ctor=dict(self.layer_tag_to_block_ctor) or None,
-            inverse_solver=self.inverse_solver,
-            on_unmatched=self.on_unmatched,
-            **kwargs,
+            self.value_func_for_estimator, abstract_args, params_index=0, **kwargs
         )
         implicit = ImplicitExactCurvature(
             self.value_func, params_index=0, batch_size_extractor=self.batch_size_extractor
@@ -479,15 +407,13 @@ class Optimizer(eqx.Module):
         if not self.multi_device:
             # (Under `multi_device` the loss may use collectives, which need the step's map.)
             check_loss_is_averaged(self.value_func, self._loss_of, func_args, batch_size)
-        exact, approx = self._powers_to_cache
+        exact, approx = self.direction.powers_to_cache() if self.refresh.use_cached else (None, None)
         filtered = eqx.filter(params, eqx.is_inexact_array)
         float_dtype = jnp.result_type(*jax.tree.leaves(filtered))
         return OptimizerState(
             velocities=jax.tree.map(jnp.zeros_like, filtered),
             estimator_state=block_diagonal.init(rng, exact, approx),
-            damping=jnp.asarray(
-                0.0 if self.initial_damping is None else self.initial_damping, float_dtype
-            ),
+            damping=jnp.asarray(self.damping_rule.initial(), float_dtype),
             data_seen=jnp.zeros((), int),
             step_counter=jnp.zeros((), int),
             batch_signature=signature(batch),
@@ -541,7 +467,8 @@ class Optimizer(eqx.Module):
                 f"{type(data_iterator).__name__}. Pass a single batch by keyword: "
                 "`optimizer.step(params, state, rng, batch=batch)`."
             )
-        check_hyperparameters(self, learning_rate, momentum, damping)
+        self.step_rule.check(learning_rate, momentum)
+        self.damping_rule.check(damping)
         check_func_state(self, func_state)
         if not isinstance(state, OptimizerState):
             raise TypeError(f"state must be an Optimizer.State (from init), got {type(state)}.")
@@ -559,9 +486,10 @@ class Optimizer(eqx.Module):
                     "batch= instead, or call step outside jit."
                 ) from None
         original = state
-        if step_int == 0 and self.num_burnin_steps > 0:
-            keys = burnin_keys(rng, self.num_burnin_steps)
-            for i in range(self.num_burnin_steps):
+        burnin = self.refresh.num_burnin_steps
+        if step_int == 0 and burnin > 0:
+            keys = burnin_keys(rng, burnin)
+            for i in range(burnin):
                 burnin_batch = next(data_iterator)
                 check_batch(state, burnin_batch, f"burn-in batch #{i}")
                 state = jitted_burnin(self, params, state, keys[i], burnin_batch, func_state)
@@ -576,57 +504,36 @@ class Optimizer(eqx.Module):
 
     # --- the compiled parts -----------------------------------------------------------------
 
+    def _update_curvature(
+        self, params: Any, func_state: Any, batch: Any, estimator_state: EstimatorState,
+        ema_old: Any, key: PRNGKeyArray,
+    ) -> EstimatorState:
+        """One curvature update on the processed `batch` with the step key `key`."""
+        key, func_key = self._keys(key)
+        func_args = self._func_args(params, func_state, func_key, batch)
+        estimator, implicit = self.estimators(func_args)
+        return estimator.update_curvature_matrix_estimate(
+            estimator_state, ema_old, 1.0, implicit.batch_size(func_args), key, func_args,
+            axis_name=self._axis,
+        )
+
     def _burnin_update(
         self, params: Any, state: OptimizerState, key: PRNGKeyArray, batch: Any, func_state: Any
     ) -> OptimizerState:
-        """One burn-in curvature update: summed statistics (ema_old = ema_new = 1)."""
-        batch = self._process(batch)
-        key, func_key = self._keys(key)
-        func_args = self._func_args(params, func_state, func_key, batch)
-        block_diagonal, implicit = self.estimators(func_args)
-        estimator_state = block_diagonal.update_curvature_matrix_estimate(
-            state.estimator_state, 1.0, 1.0, implicit.batch_size(func_args), key, func_args,
-            axis_name=self._axis,
+        """One burn-in curvature update from a data iterator: summed statistics."""
+        estimator_state = self._update_curvature(
+            params, func_state, self._process(batch), state.estimator_state, 1.0, key
         )
         return eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
 
-    def _hyperparameters(
-        self, state: OptimizerState, learning_rate: Any, momentum: Any, damping: Any
-    ) -> tuple[Any, Any, Array]:
-        step, seen = state.step_counter, state.data_seen
-        if self.learning_rate_schedule is not None:
-            learning_rate = call_schedule(self.learning_rate_schedule, step, seen)
-        if self.momentum_schedule is not None:
-            momentum = call_schedule(self.momentum_schedule, step, seen)
-        if self.use_adaptive_damping:
-            damping = state.damping
-        elif self.damping_schedule is not None:
-            damping = call_schedule(self.damping_schedule, step, seen)
-        return learning_rate, momentum, jnp.asarray(damping)
-
-    def _exact_quad_model(
-        self, implicit: ImplicitExactCurvature, func_args: Any, vectors: Sequence[Any], grads: Any
-    ) -> QuadraticModel:
-        if self.estimation_mode.startswith("fisher"):
-            factor = implicit.multiply_fisher_factor_transpose
-        else:
-            factor = implicit.multiply_ggn_factor_transpose
-        # One batched Jacobian-vector product: the forward pass is shared by all the vectors
-        # (under `vmap` only the tangents carry the batch axis).
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *vectors)
-        products = jax.vmap(lambda v: factor(func_args, v))(stacked)
-        curvature = gram_matrix(
-            [jax.tree.map(lambda x, i=i: x[i], products) for i in range(len(vectors))]
-        )
-        curvature = _distributed.pmean(curvature, self._axis)
-        return quadratic_model(vectors, grads, curvature)
-
-    def _approx_quad_model(
-        self, block_diagonal: BlockDiagonalCurvature, estimator_state: EstimatorState,
-        vectors: Sequence[Any], grads: Any,
-    ) -> QuadraticModel:
-        products = [block_diagonal.multiply(estimator_state, v, 0.0, True, False) for v in vectors]
-        return quadratic_model(vectors, grads, gram_matrix(products, vectors))
+    def _refresh_cache(self, context: StepContext, identity_weight: Array) -> Callable:
+        """The cache refresh of the step (shared over devices with `distributed_inverses`)."""
+        exact, approx = self.direction.powers_to_cache()
+        if self.multi_device and self.distributed_inverses:
+            return lambda s: _distributed.distributed_update_cache(
+                context.estimator, s, identity_weight, exact, approx, self._axis
+            )
+        return lambda s: context.estimator.update_cache(s, identity_weight, exact, approx)
 
     def _step(
         self,
@@ -638,181 +545,80 @@ class Optimizer(eqx.Module):
         hyper: tuple[Any, Any, Any],
         burnin_in_graph: bool,
     ) -> tuple[Any, ...]:
-        learning_rate, momentum, damping = self._hyperparameters(state, *hyper)
-        identity_weight = self.l2_reg + damping
-        step = state.step_counter
-
         processed = self._process(batch)
-        step_key = rng
-        rng, func_rng = self._keys(rng)
+        _, func_rng = self._keys(rng)
         func_args = self._func_args(params, func_state, func_rng, processed)
-        block_diagonal, implicit = self.estimators(func_args)
-        batch_size = implicit.batch_size(func_args)
-
+        estimator, implicit = self.estimators(func_args)
         out, grads = self.value_and_grad_func(*func_args)
-        out = _distributed.pmean(out, self._axis)
-        loss, new_func_state, aux = self._split_outputs(out)
+        loss, new_func_state, aux = self._split_outputs(_distributed.pmean(out, self._axis))
         grads = _distributed.pmean(eqx.filter(grads, eqx.is_inexact_array), self._axis)
+        context = StepContext(
+            state.step_counter, state.data_seen, func_args, loss, grads, estimator,
+            state.estimator_state, implicit, self.estimation_mode, self.l2_reg, self._axis,
+            self.value_func, self._loss_of, hyper,
+        )
         # Gates on the state, applied where each part is computed so that they fuse with it
         # (one select over the whole state at the end would copy it in every step).
         finite = jnp.isfinite(loss) & all_finite(grads) if self.skip_non_finite else None
 
-        # The burn-in (summed statistics, `num_burnin_steps` keys) at step 0 and this step's
-        # update (every `curvature_update_period` steps) are trips of one loop, so that the
-        # curvature update is compiled once. A step that is not finite takes none of them (and
-        # its burn-in is repeated at the next step 0).
-        burnin = self.num_burnin_steps if burnin_in_graph else 0
-        keys = jnp.concatenate([burnin_keys(step_key, burnin), step_key[None]]) if burnin else step_key[None]
-        trips = (step % self.curvature_update_period == 0).astype(int)
-        if burnin:
-            trips = trips + jnp.where(step == 0, burnin, 0)
-        if finite is not None:
-            trips = jnp.where(finite, trips, 0)
-
-        def update_curvature(i, estimator_state):
-            burning = i < jnp.where(step == 0, burnin, 0)
-            key, key_of_func = self._keys(keys[jnp.where(burning, i, burnin)])
-            return block_diagonal.update_curvature_matrix_estimate(
-                estimator_state, jnp.where(burning, 1.0, self.curvature_ema), 1.0, batch_size, key,
-                self._func_args(params, func_state, key_of_func, processed), axis_name=self._axis,
-            )
-
-        estimator_state = jax.lax.fori_loop(0, trips, update_curvature, state.estimator_state)
-
-        if self._use_cached_inverses:
-            exact, approx = self._powers_to_cache
-            if self.multi_device and self.distributed_inverses:
-                def new_cache(s):
-                    return _distributed.distributed_update_cache(
-                        block_diagonal, s, identity_weight, exact, approx, self._axis
-                    )
-            else:
-                def new_cache(s):
-                    return block_diagonal.update_cache(s, identity_weight, exact, approx)
-
-            # Not refreshed on a skipped step. A refresh needs no select of its own (a copy of
-            # the whole cache): the built-in inverses fall back to a floored eigendecomposition
-            # and are finite for finite statistics, and a block whose solver factorisation fails
-            # keeps its previous solver state (`store_solver_state`).
-            estimator_state = periodic(
-                self.inverse_update_period, step, new_cache, estimator_state, gate=finite
-            )
-        precon_args = (
-            estimator_state, grads, identity_weight, -1, self.use_exact_inverses,
-            self._use_cached_inverses,
+        damping = self.damping_rule.value(state.damping, context)
+        identity_weight = self.l2_reg + damping
+        estimator_state = self.refresh.update_curvature(
+            state.estimator_state, context.step, finite, rng, burnin_in_graph,
+            lambda s, ema_old, key: self._update_curvature(params, func_state, processed, s, ema_old, key),
         )
-        if self.multi_device and self.distributed_precon_apply:
-            precon_grad = _distributed.distributed_multiply_matpower(
-                block_diagonal, *precon_args, self._axis
-            )
-        else:
-            precon_grad = block_diagonal.multiply_matpower(*precon_args)
-        scaled_grad_norm_sq = None
-        if self.norm_constraint is not None:
-            scale, scaled_grad_norm_sq = norm_constraint_scale(
-                inner_product(precon_grad, grads), learning_rate, self.norm_constraint
-            )
-            precon_grad = jax.tree.map(lambda x: x * scale, precon_grad)
+        # The refresh needs no select of its own (a copy of the whole cache): a failed inverse
+        # keeps its previous value, and so does a block's failed solver factorisation.
+        estimator_state = self.refresh.refresh_inverses(
+            estimator_state, context.step, finite, self._refresh_cache(context, identity_weight)
+        )
+        context = context._replace(estimator_state=estimator_state)
 
-        vectors = (precon_grad, state.velocities)
-        fixed = (None if learning_rate is None else -learning_rate, momentum)
-        adaptive = self.use_adaptive_learning_rate or self.use_adaptive_momentum
-        if adaptive:
-            model = self._exact_quad_model(implicit, func_args, vectors, grads)
-            coefficients, quad_change = solve_quadratic_model(
-                model, damping, self.l2_reg, fixed, self.include_damping_in_quad_change
-            )
-        else:
-            coefficients = tuple(jnp.asarray(c) for c in fixed)
-            quad_change = None
-        delta = jax.tree.map(
-            lambda p, v: p * coefficients[0] + v * coefficients[1], precon_grad, state.velocities
+        learning_rate = self.step_rule.fixed_learning_rate(context)
+        direction, direction_stats = self.direction(
+            context, identity_weight, learning_rate, self.refresh.use_cached
+        )
+        delta, learning_rate, momentum, quad_change = self.step_rule(
+            direction, state.velocities, damping, context
         )
         # A non-finite update (e.g. from a failed solve) is skipped like a non-finite gradient.
         applied = None if finite is None else finite & all_finite(delta)
         new_params = select_changed(applied, eqx.apply_updates(params, delta), params)
+        new_damping, rho, new_loss, quad_change = self.damping_rule.update(
+            state.damping, damping, quad_change, delta, new_params, context
+        )
 
-        def adapt_damping():
-            change = quad_change
-            if change is None:
-                if self.always_use_exact_qmodel_for_damping_adjustment:
-                    model = self._exact_quad_model(implicit, func_args, [delta], grads)
-                else:
-                    model = self._approx_quad_model(block_diagonal, estimator_state, [delta], grads)
-                _, change = solve_quadratic_model(
-                    model, damping, self.l2_reg, (1.0,), self.include_damping_in_quad_change
-                )
-            new_loss = _distributed.pmean(
-                self._loss_of(self.value_func(new_params, *func_args[1:])), self._axis
-            )
-            new_damping, rho = levenberg_marquardt_damping(
-                loss, new_loss, change, damping,
-                lower_threshold=self.damping_lower_threshold,
-                upper_threshold=self.damping_upper_threshold,
-                decay_factor=self.damping_adaptation_decay ** self.damping_adaptation_interval,
-                min_damping=self.min_damping,
-                max_damping=self.max_damping,
-            )
-            return new_damping.astype(state.damping.dtype), rho, new_loss, change
-
-        def keep_damping():
-            nan = jnp.full((), jnp.nan, loss.dtype)
-            change = nan if quad_change is None else quad_change
-            return state.damping, nan, nan, change
-
-        if self.use_adaptive_damping:
-            new_damping, rho, new_loss, quad_change = jax.lax.cond(
-                (step + 1) % self.damping_adaptation_interval == 0, adapt_damping, keep_damping
-            )
-        else:
-            _, rho, new_loss, quad_change = keep_damping()
-            new_damping = damping.astype(state.damping.dtype)
-
-        batch_size = _distributed.global_batch_size(batch_size, self._axis)
+        batch_size = _distributed.global_batch_size(implicit.batch_size(func_args), self._axis)
         new_state = OptimizerState(
-            velocities=delta,
-            estimator_state=estimator_state,
-            damping=new_damping,
-            data_seen=state.data_seen + batch_size,
-            step_counter=step + 1,
+            velocities=delta, estimator_state=estimator_state, damping=new_damping,
+            data_seen=state.data_seen + batch_size, step_counter=state.step_counter + 1,
             batch_signature=state.batch_signature,
         )
-        if applied is None:
-            skipped = jnp.zeros((), bool)
-        else:
-            # The estimator state is gated already (the statistics by `finite`, the cache refresh
-            # skipped unless `finite`): replacing it in `state` leaves nothing to select there.
+        skipped = jnp.zeros((), bool)
+        if applied is not None:
+            # The estimator state is gated already (the statistics and the refresh by `finite`):
+            # replacing it in `state` leaves nothing to select there.
             kept = eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
             new_state = select_changed(applied, new_state, kept)
             new_func_state = select_changed(finite, new_func_state, func_state)
             skipped = ~applied
         stats = dict(
-            step=new_state.step_counter,
-            batch_size=jnp.asarray(batch_size),
-            data_seen=new_state.data_seen,
-            loss=loss,
-            new_loss=new_loss,
-            learning_rate=-coefficients[0],
-            momentum=coefficients[1],
-            damping=damping,
-            rho=rho,
-            quad_model_change=quad_change,
-            skipped=skipped,
+            step=new_state.step_counter, batch_size=jnp.asarray(batch_size),
+            data_seen=new_state.data_seen, loss=loss, new_loss=new_loss,
+            learning_rate=learning_rate, momentum=momentum, damping=damping, rho=rho,
+            quad_model_change=quad_change, skipped=skipped, **direction_stats,
         )
-        if scaled_grad_norm_sq is not None:
-            stats["scaled_grad_norm_sq"] = scaled_grad_norm_sq
         if aux is not None:
             stats["aux"] = aux
-        if self.include_norms_in_stats:
-            stats["param_norm"] = _norm(eqx.filter(new_params, eqx.is_inexact_array))
-            stats["grad_norm"] = _norm(grads)
-            stats["precon_grad_norm"] = _norm(precon_grad)
-            stats["update_norm"] = _norm(delta)
-        if self.include_per_param_norms_in_stats:
-            stats.update(_per_param_norms(eqx.filter(new_params, eqx.is_inexact_array), "param_norm"))
-            stats.update(_per_param_norms(grads, "grad_norm"))
-            stats.update(_per_param_norms(precon_grad, "precon_grad_norm"))
-            stats.update(_per_param_norms(delta, "update_norm"))
+        if self.include_norms_in_stats or self.include_per_param_norms_in_stats:
+            trees = dict(
+                param_norm=eqx.filter(new_params, eqx.is_inexact_array), grad_norm=grads,
+                precon_grad_norm=direction, update_norm=delta,
+            )
+            if self.include_norms_in_stats:
+                stats.update(_norms(trees, per_param=False))
+            if self.include_per_param_norms_in_stats:
+                stats.update(_norms(trees, per_param=True))
         if self.value_func_has_state:
             return new_params, new_state, new_func_state, stats
         return new_params, new_state, stats

@@ -13,15 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax
-from jaxtyping import Array, PRNGKeyArray
 
 from . import _distributed
-
-
-def burnin_keys(rng: PRNGKeyArray, num: int) -> Array:
-    # Derived by folding in, so the step itself sees the same key with or without burn-in.
-    return jax.random.split(jax.random.fold_in(rng, 1), num)
 
 
 # Compilation

@@ -7,20 +7,117 @@ the abstract signatures used to cache estimators and to validate batches.
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int, PyTree
 
 from . import _distributed
 from ._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
 from ._estimators.base import ESTIMATION_MODES
+from ._optim.damping import (
+    AbstractDampingRule,
+    GivenDamping,
+    LevenbergMarquardtDamping,
+    ScheduledDamping,
+)
+from ._optim.direction import AbstractDirection, PreconditionedGradient
+from ._optim.hyperparameters import (
+    AbstractHyperparameter,
+    AdaptiveHyperparameter,
+    GivenHyperparameter,
+    Schedule,
+    ScheduledHyperparameter,
+)
+from ._optim.refresh import RefreshSchedule
+from ._optim.step_rule import AbstractStepRule, MomentumStep
 
 
-Schedule = Callable[..., ArrayLike]
+class Parts(NamedTuple):
+    """The loss function and the parts the kfac-jax keywords of `Optimizer` describe."""
+
+    value_func: Callable[..., Any]
+    damping_rule: AbstractDampingRule
+    step_rule: AbstractStepRule
+    direction: AbstractDirection
+    refresh: RefreshSchedule
+
+
+# The keywords of `Optimizer.__init__` each part replaces when given directly.
+_PART_KEYWORDS = {
+    "damping_rule": (
+        "use_adaptive_damping", "damping_schedule", "initial_damping", "min_damping", "max_damping",
+        "damping_adaptation_interval", "damping_adaptation_decay", "damping_lower_threshold",
+        "damping_upper_threshold", "always_use_exact_qmodel_for_damping_adjustment",
+    ),
+    "step_rule": (
+        "use_adaptive_learning_rate", "learning_rate_schedule", "use_adaptive_momentum",
+        "momentum_schedule", "include_damping_in_quad_change",
+    ),
+    "direction": ("use_exact_inverses", "norm_constraint", "distributed_precon_apply"),
+    "refresh": ("num_burnin_steps", "curvature_update_period", "inverse_update_period", "curvature_ema"),
+}
+
+
+def _hyperparameter(adaptive: bool, schedule: Any) -> AbstractHyperparameter:
+    if adaptive:
+        return AdaptiveHyperparameter()
+    return GivenHyperparameter() if schedule is None else ScheduledHyperparameter(schedule)
+
+
+def parts_from_keywords(keywords: dict[str, Any]) -> Parts:
+    """Checks the keywords of `Optimizer.__init__` and builds the parts they describe.
+
+    **Arguments:**
+
+    - `keywords`: the constructor's arguments by name (its `locals()`, `self` included).
+
+    **Returns:**
+
+    The `Parts`, each the one given directly or the one built from its keywords.
+    """
+    k = keywords
+    defaults = {
+        name: p.default for name, p in inspect.signature(type(k["self"]).__init__).parameters.items()
+    }
+    for part, names in _PART_KEYWORDS.items():
+        changed = [n for n in names if k[n] is not defaults[n] and k[n] != defaults[n]]
+        if k[part] is not None and changed:
+            raise ValueError(
+                f"Optimizer got {part}= and the keywords {changed}, which that part replaces; pass "
+                f"them to the {type(k[part]).__name__} instead (or drop {part}=)."
+            )
+    value_func = check_constructor_arguments(
+        **{name: k[name] for name in inspect.signature(check_constructor_arguments).parameters}
+    )
+    if k["use_adaptive_damping"]:
+        damping_rule = LevenbergMarquardtDamping(
+            k["initial_damping"], k["damping_adaptation_interval"], k["damping_adaptation_decay"],
+            k["damping_lower_threshold"], k["damping_upper_threshold"], k["min_damping"],
+            k["max_damping"], k["always_use_exact_qmodel_for_damping_adjustment"],
+            k["include_damping_in_quad_change"],
+        )
+    elif k["damping_schedule"] is not None:
+        damping_rule = ScheduledDamping(k["damping_schedule"])
+    else:
+        damping_rule = GivenDamping()
+    return Parts(
+        value_func=value_func,
+        damping_rule=k["damping_rule"] or damping_rule,
+        step_rule=k["step_rule"] or MomentumStep(
+            _hyperparameter(k["use_adaptive_learning_rate"], k["learning_rate_schedule"]),
+            _hyperparameter(k["use_adaptive_momentum"], k["momentum_schedule"]),
+            k["include_damping_in_quad_change"],
+        ),
+        direction=k["direction"] or PreconditionedGradient(
+            k["use_exact_inverses"], k["norm_constraint"], k["distributed_precon_apply"]
+        ),
+        refresh=k["refresh"] or RefreshSchedule(
+            k["num_burnin_steps"], k["curvature_update_period"], k["inverse_update_period"],
+            k["curvature_ema"],
+        ),
+    )
 
 
 class OptimizerState(eqx.Module):
@@ -78,16 +175,6 @@ def describe_signature(signature: Any) -> str:
         f"{dtype}{list(shape)}" if shape != "static" else f"static {dtype!r}"
         for shape, dtype in signature[1]
     )
-
-
-def call_schedule(schedule: Schedule, step: Array, data_seen: Array) -> Array:
-    try:
-        accepts_data_seen = "data_seen" in inspect.signature(schedule).parameters
-    except (TypeError, ValueError):
-        accepts_data_seen = False
-    if accepts_data_seen:
-        return jnp.asarray(schedule(step, data_seen=data_seen))
-    return jnp.asarray(schedule(step))
 
 
 def check_constructor_arguments(
@@ -196,31 +283,6 @@ def check_func_state(optimizer: Any, func_state: Any) -> None:
             "func_state was given but value_func_has_state=False; construct the optimizer "
             "with value_func_has_state=True or drop func_state."
         )
-
-def check_hyperparameters(optimizer: Any, learning_rate: Any, momentum: Any, damping: Any) -> None:
-    """Raises unless each hyperparameter is given exactly when neither adaptive nor scheduled."""
-    for name, value, adaptive, schedule in (
-        ("learning_rate", learning_rate, optimizer.use_adaptive_learning_rate,
-         optimizer.learning_rate_schedule),
-        ("momentum", momentum, optimizer.use_adaptive_momentum, optimizer.momentum_schedule),
-        ("damping", damping, optimizer.use_adaptive_damping, optimizer.damping_schedule),
-    ):
-        if adaptive and value is not None:
-            raise ValueError(
-                f"use_adaptive_{name}=True, so do not pass {name}= to step (it is adapted)."
-            )
-        if schedule is not None and value is not None:
-            raise ValueError(
-                f"A {name}_schedule was given to the optimizer, so do not pass {name}= to "
-                "step as well."
-            )
-        if not adaptive and schedule is None and value is None:
-            raise ValueError(
-                f"Missing {name}: with use_adaptive_{name}=False and no {name}_schedule, "
-                f"pass {name}= to step (or set use_adaptive_{name}=True, or give a "
-                f"{name}_schedule)."
-            )
-
 
 def check_batch(state: OptimizerState, batch: Any, where: str) -> None:
     """Raises unless `batch` has the signature of the batch given to `init`."""
