@@ -91,6 +91,33 @@ from ._spectral import (
     matpower as matpower,
     trace as trace,
 )
+from ._optim.context import StepContext as StepContext
+from ._optim.damping import (
+    AbstractDampingRule as AbstractDampingRule,
+    GivenDamping as GivenDamping,
+    LevenbergMarquardtDamping as LevenbergMarquardtDamping,
+    ScheduledDamping as ScheduledDamping,
+)
+from ._optim.direction import (
+    AbstractDirection as AbstractDirection,
+    PreconditionedGradient as PreconditionedGradient,
+)
+from ._optim.hyperparameters import (
+    AbstractHyperparameter as AbstractHyperparameter,
+    AdaptiveHyperparameter as AdaptiveHyperparameter,
+    GivenHyperparameter as GivenHyperparameter,
+    ScheduledHyperparameter as ScheduledHyperparameter,
+)
+from ._optim.quadratic import (
+    approximate_quadratic_model as approximate_quadratic_model,
+    exact_quadratic_model as exact_quadratic_model,
+)
+from ._optim.refresh import RefreshSchedule as RefreshSchedule
+from ._quad_model import (
+    QuadraticModel as QuadraticModel,
+    solve_quadratic_model as solve_quadratic_model,
+)
+from ._optim.step_rule import AbstractStepRule as AbstractStepRule, MomentumStep as MomentumStep
 from ._optimizer import Optimizer as Optimizer, OptimizerState as OptimizerState
 from ._optax import (
     kfac_optax as kfac_optax,

@@ -57,17 +57,6 @@ from ._quad_model import all_finite
 logger = logging.getLogger("eqx_kfac")
 
 
-def _norms(trees: Mapping[str, PyTree[Array]], per_param: bool) -> dict[str, Array]:
-    """`{name: |tree|}`, or with `per_param` one norm per leaf, named `name(path)`."""
-    if not per_param:
-        return {name: optax.tree.norm(tree) for name, tree in trees.items()}
-    return {
-        f"{name}({jax.tree_util.keystr(path).lstrip('.')})": jnp.linalg.norm(leaf.reshape(-1))
-        for name, tree in trees.items()
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
-
-
 class Optimizer(eqx.Module):
     """The K-FAC optimizer (kfac-jax's `Optimizer`, Equinox-native, pure, and built from parts).
 
@@ -526,6 +515,24 @@ class Optimizer(eqx.Module):
         )
         return eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
 
+    def _norms(self, params: Any, grads: Any, direction: Any, delta: Any) -> dict[str, Array]:
+        """The norms asked for by `include_norms_in_stats` (whole vectors) and
+        `include_per_param_norms_in_stats` (per leaf, named `name(path)`)."""
+        trees = dict(
+            param_norm=eqx.filter(params, eqx.is_inexact_array), grad_norm=grads,
+            precon_grad_norm=direction, update_norm=delta,
+        )
+        norms = {}
+        if self.include_norms_in_stats:
+            norms.update({name: optax.tree.norm(tree) for name, tree in trees.items()})
+        if self.include_per_param_norms_in_stats:
+            norms.update({
+                f"{name}({jax.tree_util.keystr(path).lstrip('.')})": jnp.linalg.norm(leaf.reshape(-1))
+                for name, tree in trees.items()
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            })
+        return norms
+
     def _refresh_cache(self, context: StepContext, identity_weight: Array) -> Callable:
         """The cache refresh of the step (shared over devices with `distributed_inverses`)."""
         exact, approx = self.direction.powers_to_cache()
@@ -578,7 +585,7 @@ class Optimizer(eqx.Module):
         direction, direction_stats = self.direction(
             context, identity_weight, learning_rate, self.refresh.use_cached
         )
-        delta, learning_rate, momentum, quad_change = self.step_rule(
+        delta, velocity, learning_rate, momentum, quad_change = self.step_rule(
             direction, state.velocities, damping, context
         )
         # A non-finite update (e.g. from a failed solve) is skipped like a non-finite gradient.
@@ -590,7 +597,7 @@ class Optimizer(eqx.Module):
 
         batch_size = _distributed.global_batch_size(implicit.batch_size(func_args), self._axis)
         new_state = OptimizerState(
-            velocities=delta, estimator_state=estimator_state, damping=new_damping,
+            velocities=velocity, estimator_state=estimator_state, damping=new_damping,
             data_seen=state.data_seen + batch_size, step_counter=state.step_counter + 1,
             batch_signature=state.batch_signature,
         )
@@ -607,18 +614,9 @@ class Optimizer(eqx.Module):
             data_seen=new_state.data_seen, loss=loss, new_loss=new_loss,
             learning_rate=learning_rate, momentum=momentum, damping=damping, rho=rho,
             quad_model_change=quad_change, skipped=skipped, **direction_stats,
+            **({} if aux is None else {"aux": aux}),
+            **self._norms(new_params, grads, direction, delta),
         )
-        if aux is not None:
-            stats["aux"] = aux
-        if self.include_norms_in_stats or self.include_per_param_norms_in_stats:
-            trees = dict(
-                param_norm=eqx.filter(new_params, eqx.is_inexact_array), grad_norm=grads,
-                precon_grad_norm=direction, update_norm=delta,
-            )
-            if self.include_norms_in_stats:
-                stats.update(_norms(trees, per_param=False))
-            if self.include_per_param_norms_in_stats:
-                stats.update(_norms(trees, per_param=True))
         if self.value_func_has_state:
             return new_params, new_state, new_func_state, stats
         return new_params, new_state, stats

@@ -125,8 +125,8 @@ class OptimizerState(eqx.Module):
 
     **Fields:**
 
-    - `velocities`: the previous update `θ_t - θ_{t-1}`, shaped like
-      `eqx.filter(params, eqx.is_inexact_array)`.
+    - `velocities`: the step rule's velocity (for the default `MomentumStep`, the previous update
+      `θ_t - θ_{t-1}`), shaped like `eqx.filter(params, eqx.is_inexact_array)`.
     - `estimator_state`: the curvature estimator's state (moving averages and cached inverses).
     - `damping`: with adaptive damping, the current damping; otherwise the damping of the last
       step (`initial_damping`, or 0, before the first step).

@@ -14,13 +14,15 @@ from .context import StepContext
 from .hyperparameters import AbstractHyperparameter, GivenHyperparameter
 from .quadratic import exact_quadratic_model
 
-StepOutcome = tuple[PyTree[Array], Float[Array, ""], Float[Array, ""], Float[Array, ""] | None]
+StepOutcome = tuple[
+    PyTree[Array], PyTree[Array], Float[Array, ""], Float[Array, ""], Float[Array, ""] | None
+]
 
 
 class AbstractStepRule(eqx.Module):
-    """How the update is formed from the direction and the previous update (the extension point).
+    """How the update is formed from the direction and the velocity (the extension point).
 
-    The update becomes the velocity of the next step (`Optimizer.State.velocities`).
+    The velocity it returns is kept in `Optimizer.State.velocities` for the next step.
     """
 
     @abc.abstractmethod
@@ -45,20 +47,22 @@ class AbstractStepRule(eqx.Module):
         **Arguments:**
 
         - `direction`: the step's direction (the preconditioned gradient).
-        - `velocity`: the previous update.
+        - `velocity`: the velocity returned by the previous step (zeros at the first).
         - `damping`: this step's damping.
         - `context`: the step.
 
         **Returns:**
 
-        `(delta, learning_rate, momentum, quad_change)`: the update, the coefficients it used for
-        the statistics, and the quadratic model's predicted change (`None` when it computed none).
+        `(delta, velocity, learning_rate, momentum, quad_change)`: the update, the velocity for
+        the next step, the coefficients it used (for the statistics), and the quadratic model's
+        predicted change (`None` when it computed none).
         """
 
 
 class MomentumStep(AbstractStepRule):
-    """`δ = -lr · u + m · δ_prev` (kfac-jax's update), with each of `lr` and `m` given, scheduled
-    or adapted; adapted ones minimise the exact quadratic model over `u` and `δ_prev`.
+    """`δ = -lr · u + m · δ_prev` (kfac-jax's update; the velocity is the update itself), with
+    each of `lr` and `m` given, scheduled or adapted; adapted ones minimise the exact quadratic
+    model over `u` and `δ_prev`.
 
     **Fields:**
 
@@ -96,4 +100,4 @@ class MomentumStep(AbstractStepRule):
     def __call__(self, direction, velocity, damping, context):
         (c_direction, c_velocity), quad_change = self.coefficients(direction, velocity, damping, context)
         delta = jax.tree.map(lambda u, v: u * c_direction + v * c_velocity, direction, velocity)
-        return delta, -c_direction, c_velocity, quad_change
+        return delta, delta, -c_direction, c_velocity, quad_change
