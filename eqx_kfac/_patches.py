@@ -6,17 +6,27 @@ return the sum over examples and output locations of the (optionally weighted) o
 the patches with themselves, and the matching sum of the patches, as kfac-jax's functions of the
 same names do.
 
-`patches_moments` never materialises the patches: it loops over the kernel offsets and, for each,
-contracts the input window seen by that offset against the whole input with one convolution, so
-its memory is that of the input. `patches_moments_explicit` extracts all patches with
-`jax.lax.conv_general_dilated_patches` (memory `prod(kernel_spatial_shape)` times the input's);
-it is the reference the tests compare against.
+`patches_moments` cuts the patches out of the padded input with one strided slice per kernel
+offset and contracts them with one matrix product, a chunk of examples at a time so that a
+chunk's patches take at most `_CHUNK_BYTES` (all at once with `method="patches"`).
+`patches_moments_explicit` extracts all patches with `jax.lax.conv_general_dilated_patches`; it
+is the reference the tests compare against.
+
+Why no convolutions: XLA:CPU gives a convolution its fast kernels only in the canonical layout
+(batch, spatial..., features), and rewrites other layouts into it only for convolutions of the
+entry computation, not inside loops. The previous implementation contracted, for each kernel
+offset in a `lax.map`, that offset's window against the whole input with one convolution (batch
+as features, channels as the convolution's batch): it ran on XLA's generic loop emitter, 27-60x
+slower than the explicit product. Even in the canonical layout, those convolutions (windows as
+large as the image) were 2-5x slower than one matrix product of the patches.
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -24,6 +34,15 @@ from jaxtyping import Array, Float, Shaped
 
 
 _DATA_FORMAT_ALIASES = {"channels_last": "NHWC", "channels_first": "NCHW"}
+
+# A chunk's patches take at most this many bytes (unless one example's take more). On CPU, chunks
+# of a few MiB were as fast as or faster than one product over a large batch's patches (cache
+# locality; no fresh mapping of a large scratch buffer per call): see
+# benchmarks/conv_statistics.py.
+_CHUNK_BYTES = 8 * 2**20
+
+# The values of `patches_moments`' `method`.
+METHODS = ("auto", "patches")
 
 IntOrInts = int | Sequence[int]
 Padding = str | int | Sequence[int] | Sequence[tuple[int, int]]
@@ -173,10 +192,10 @@ def _geometry(
 
 def _weights(
     weighting_array: Shaped[Array, "..."] | None, batch: int, geometry: _Geometry, dtype
-) -> Array:
-    """The weighting array shaped `(batch, *output_spatial)`, or a scalar one."""
+) -> Array | None:
+    """The weighting array broadcastable to `(batch, *output_spatial)`, or `None` (unweighted)."""
     if weighting_array is None:
-        return jnp.ones((), dtype)
+        return None
     shape = tuple(weighting_array.shape)
     full = (batch, *geometry.output_spatial)
     if shape == (batch,):
@@ -194,87 +213,116 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _moments_by_offsets(
-    inputs: Float[Array, "..."],
-    geometry: _Geometry,
-    weights: Float[Array, "..."],
+def _patch_products(
+    patches: Float[Array, "..."],
+    weights: Float[Array, " rows"] | None,
+    per_channel: bool,
+    rows_first: bool,
     precision: lax.Precision | None,
 ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
-    """`patches_moments` on validated arguments, `inputs` and `weights` in the compute dtype."""
+    """`(Σ_r w_r p_r p_rᵀ, Σ_r w_r p_r)` over the rows `r` of a stack of patches.
+
+    `patches` is `(rows, features)`, or `(features, rows)` when not `rows_first`, or
+    `(rows, kernel_size, channels)` when `per_channel` (depthwise: one product per channel).
+    """
+    rows_axis = 0 if rows_first else patches.ndim - 1
+    weighted = patches
+    if weights is not None:
+        other_axes = tuple(a for a in range(patches.ndim) if a != rows_axis)
+        weighted = jnp.expand_dims(weights, other_axes) * patches
+    if per_channel:
+        spec = "rkc,rjc->kjc"
+    elif rows_first:
+        spec = "ri,rj->ij"
+    else:
+        spec = "ir,jr->ij"
+    second = jnp.einsum(spec, weighted, patches, precision=precision)
+    return second, jnp.sum(weighted, axis=rows_axis)
+
+
+def _moments_by_chunks(
+    inputs: Float[Array, "..."],
+    geometry: _Geometry,
+    weights: Float[Array, "..."] | None,
+    precision: lax.Precision | None,
+    method: str,
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """`patches_moments` on validated arguments, its results shaped as `_patch_products`'.
+
+    The patches of a chunk of examples are `prod(kernel)` strided slices of the padded, dilated
+    input (one per kernel offset), contracted by one matrix product; `lax.scan` accumulates the
+    chunks. `inputs` and `weights` are in the compute dtype.
+    """
     n = geometry.num_spatial
     # Channels last, spatial in order: `(batch, *spatial, channels)`.
     x = jnp.transpose(inputs, (geometry.lhs_spec[0], *geometry.lhs_spec[2:], geometry.lhs_spec[1]))
     batch, channels = x.shape[0], x.shape[-1]
-    # Dilate and pad at once; then crop to the extent the output locations reach, so that the
-    # convolution below yields exactly one value per kernel offset.
+    kernel_size = math.prod(geometry.kernel)
+    locations = math.prod(geometry.output_spatial)
+    num_chunks = _num_chunks(method, batch, locations * kernel_size * channels * x.dtype.itemsize)
+    chunk = -(-batch // num_chunks)
+    extra = num_chunks * chunk - batch
+    # One pad: the batch to whole chunks (zero examples have zero patches: they add nothing),
+    # the spatial padding, and the input dilation as interior padding.
     spatial_config = [
         (lo, hi, d - 1) for (lo, hi), d in zip(geometry.padding, geometry.inputs_dilation)
     ]
-    x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), *spatial_config, (0, 0, 0)])
-    window = tuple((o - 1) * s + 1 for o, s in zip(geometry.output_spatial, geometry.strides))
-    extent = tuple(
-        w + (k - 1) * d for w, k, d in zip(window, geometry.kernel, geometry.kernel_dilation)
-    )
-    x = x[(slice(None), *(slice(0, e) for e in extent), slice(None))]
-    weights = weights[..., None]
-    spatial_axes = tuple(range(1, n + 1))
+    x = lax.pad(x, jnp.zeros((), x.dtype), [(0, extra, 0), *spatial_config, (0, 0, 0)])
+    x = x.reshape(num_chunks, chunk, *x.shape[1:])
+    if weights is not None:
+        weights = jnp.broadcast_to(weights, (batch, *geometry.output_spatial))
+        weights = jnp.pad(weights, [(0, extra)] + [(0, 0)] * n)
+        weights = weights.reshape(num_chunks, chunk * locations)
+    rows = chunk * locations
+    # With one channel, offsets-major patches `(kernel_size, rows)` are written in contiguous
+    # runs (offsets-minor ones would write single numbers `kernel_size` apart: 1.5x slower with
+    # 5x5 kernels); with more channels, `(rows, kernel_size * channels)` copies runs of
+    # `channels` numbers and needs no transposition for the product.
+    rows_first = geometry.per_channel or channels > 1
 
-    if geometry.per_channel:
-        # Channel-major features `(channels * batch)` in `channels` groups: each group contracts
-        # the batch of one channel only.
-        lhs = jnp.moveaxis(x, -1, 0).reshape(1, channels * batch, *extent)
-        standard = tuple(range(n + 2))
-        dnums = lax.ConvDimensionNumbers(standard, standard, standard)
-    else:
-        # Batch as the contracted feature axis, channels of the full input as the conv batch.
-        lhs = x
-        layout = (n + 1, 0, *spatial_axes)
-        dnums = lax.ConvDimensionNumbers(layout, layout, layout)
-
-    def one_offset(offset):
-        zero = jnp.zeros((), offset.dtype)
-        start = (zero, *(offset * np.asarray(geometry.kernel_dilation, np.int32)), zero)
-        piece = lax.dynamic_slice(x, start, (batch, *window, channels))
-        piece = piece[(slice(None), *(slice(None, None, s) for s in geometry.strides), slice(None))]
-        piece = piece * weights
-        first = jnp.sum(piece, axis=(0, *spatial_axes))
-        if geometry.per_channel:
-            rhs = jnp.moveaxis(piece, -1, 0)
-            feature_groups = channels
-        else:
-            rhs = piece
-            feature_groups = 1
-        # out[c, *offset', c'] = Σ_{n, l} piece[n, l, c] x[n, l·stride + offset'·dilation, c'].
-        second = lax.conv_general_dilated(
-            lhs,
-            rhs,
-            window_strides=geometry.kernel_dilation,
-            padding="VALID",
-            rhs_dilation=geometry.strides,
-            dimension_numbers=dnums,
-            feature_group_count=feature_groups,
-            precision=precision,
+    def offset_slice(x_chunk, offset):
+        start = tuple(o * d for o, d in zip(offset, geometry.kernel_dilation))
+        limit = tuple(
+            s + (o - 1) * t + 1 for s, o, t in zip(start, geometry.output_spatial, geometry.strides)
         )
-        if geometry.per_channel:
-            second = jnp.moveaxis(second[0], 0, -1)
-        return second, first
+        return lax.slice(
+            x_chunk, (0, *start, 0), (chunk, *limit, channels), (1, *geometry.strides, 1)
+        )
 
-    offsets = jnp.asarray(list(np.ndindex(*geometry.kernel)), dtype=jnp.int32)
-    second, first = lax.map(one_offset, offsets)
-    if geometry.per_channel:
-        second = second.reshape(geometry.kernel + geometry.kernel + (channels,))
-    else:
-        second = second.reshape(geometry.kernel + (channels,) + geometry.kernel + (channels,))
-    return second, first.reshape(geometry.kernel + (channels,))
+    def chunk_moments(x_chunk, w_chunk):
+        slices = [offset_slice(x_chunk, o) for o in np.ndindex(*geometry.kernel)]
+        if not rows_first:
+            patches = jnp.stack(slices).reshape(kernel_size, rows)
+        elif geometry.per_channel:
+            patches = jnp.stack(slices, -2).reshape(rows, kernel_size, channels)
+        else:
+            patches = jnp.stack(slices, -2).reshape(rows, kernel_size * channels)
+        return _patch_products(patches, w_chunk, geometry.per_channel, rows_first, precision)
+
+    def accumulate(totals, chunk_data):
+        return jax.tree.map(jnp.add, totals, chunk_moments(*chunk_data)), None
+
+    first_chunk = jax.tree.map(lambda a: a[0], (x, weights))
+    zeros = jax.tree.map(
+        lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(chunk_moments, *first_chunk)
+    )
+    return lax.scan(accumulate, zeros, (x, weights))[0]
+
+
+def _num_chunks(method: str, batch: int, example_bytes: int) -> int:
+    """Into how many chunks of equal size (up to padding) `_moments_by_chunks` cuts the batch."""
+    if method == "patches":
+        return 1
+    return -(-batch // max(1, _CHUNK_BYTES // example_bytes))
 
 
 def _moments_from_patches(
     inputs: Float[Array, "..."],
     geometry: _Geometry,
-    weights: Float[Array, "..."],
+    weights: Float[Array, "..."] | None,
     precision: lax.Precision | None,
 ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
-    """`patches_moments_explicit` on validated arguments (see `_moments_by_offsets`)."""
+    """`patches_moments_explicit` on validated arguments (see `_moments_by_chunks`)."""
     n = geometry.num_spatial
     batch, channels = inputs.shape[geometry.lhs_spec[0]], inputs.shape[geometry.lhs_spec[1]]
     # Output in the inputs' layout; the filter layout only matters to the identity kernel
@@ -296,23 +344,20 @@ def _moments_from_patches(
     kernel_size = math.prod(geometry.kernel)
     # The patch features are ordered channel-major: `(channels, *kernel)`.
     patches = patches.reshape(-1, channels, kernel_size).transpose(0, 2, 1)
-    weights = jnp.broadcast_to(weights, (batch, *geometry.output_spatial)).reshape(-1, 1, 1)
-    weighted = weights * patches
-    first = jnp.sum(weighted, axis=0).reshape(geometry.kernel + (channels,))
-    if geometry.per_channel:
-        second = jnp.einsum("lkc,ljc->kjc", weighted, patches, precision=precision)
-        return second.reshape(geometry.kernel + geometry.kernel + (channels,)), first
-    flat = patches.reshape(patches.shape[0], kernel_size * channels)
-    second = weighted.reshape(flat.shape).T @ flat
-    shape = geometry.kernel + (channels,)
-    return second.reshape(shape + shape), first
+    if not geometry.per_channel:
+        patches = patches.reshape(patches.shape[0], kernel_size * channels)
+    if weights is not None:
+        weights = jnp.broadcast_to(weights, (batch, *geometry.output_spatial)).reshape(-1)
+    return _patch_products(patches, weights, geometry.per_channel, True, precision)
 
 
-_MomentsMethod = Callable[[Array, _Geometry, Array, lax.Precision | None], tuple[Array, Array]]
+_Compute = Callable[
+    [Array, _Geometry, Array | None, lax.Precision | None], tuple[Array, Array]
+]
 
 
 def _moments(
-    method: _MomentsMethod,
+    compute: _Compute,
     inputs: Float[Array, "..."],
     kernel_spatial_shape: IntOrInts,
     strides: IntOrInts,
@@ -325,7 +370,8 @@ def _moments(
     inputs_dilation: IntOrInts | None,
     kernel_dilation: IntOrInts | None,
 ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
-    """Validates the arguments shared by both public functions, then runs `method` on them."""
+    """Validates the arguments shared by both public functions, runs `compute` on them and
+    shapes its results."""
     geometry = _geometry(
         tuple(inputs.shape),
         kernel_spatial_shape,
@@ -339,7 +385,11 @@ def _moments(
     )
     dtype = _compute_dtype(inputs.dtype)
     weights = _weights(weighting_array, inputs.shape[geometry.lhs_spec[0]], geometry, dtype)
-    return method(inputs.astype(dtype), geometry, weights, precision)
+    second, first = compute(inputs.astype(dtype), geometry, weights, precision)
+    patch_shape = geometry.kernel + (inputs.shape[geometry.lhs_spec[1]],)
+    if geometry.per_channel:
+        return second.reshape(geometry.kernel + patch_shape), first.reshape(patch_shape)
+    return second.reshape(patch_shape + patch_shape), first.reshape(patch_shape)
 
 
 def patches_moments(
@@ -355,6 +405,7 @@ def patches_moments(
     dimension_numbers: DimensionNumbers | None = None,
     inputs_dilation: IntOrInts | None = None,
     kernel_dilation: IntOrInts | None = None,
+    method: str = "auto",
 ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
     """Sums of the outer products of a convolution's input patches, and of the patches.
 
@@ -377,8 +428,10 @@ def patches_moments(
     single input channel, so only the per-channel moments are formed: `second` then has shape
     `kernel_spatial_shape + kernel_spatial_shape + (channels,)`; `first` is unchanged.
 
-    The patches are never materialised: the cost is that of `prod(kernel_spatial_shape)`
-    convolutions of the input with one window of itself, the memory that of the input.
+    The patches are cut out of the padded input (one strided slice per kernel offset) and
+    contracted by a matrix product, for as many examples at a time as `method` says: the
+    arithmetic is that of `patchesᵀ @ patches`, the memory that of the input plus one chunk's
+    patches.
 
     **Arguments:**
 
@@ -391,22 +444,31 @@ def patches_moments(
     - `data_format`: the inputs' layout: `"NHWC"` (`"channels_last"`), `"NCHW"`
       (`"channels_first"`), or any string with one `N`, one `C` and spatial letters.
     - `feature_group_count`: 1, or the number of input channels for a depthwise convolution.
-    - `precision`: the precision of the convolutions (see `lax.conv_general_dilated`).
+    - `precision`: the precision of the products (see `jax.numpy.einsum`).
     - `weighting_array`: optional weights of shape `(batch,)` or `(batch, *output_spatial)`
       (output spatial sizes in the order of the spatial dimensions).
     - `dimension_numbers`: a `lax.ConvDimensionNumbers` or a tuple of three layout strings; when
       given, its input layout replaces `data_format`.
     - `inputs_dilation`, `kernel_dilation`: `lax.conv_general_dilated`'s `lhs_dilation` and
       `rhs_dilation` (int or one per spatial dimension; default 1).
+    - `method`: how many examples' patches exist at once. `"auto"` (default): the batch is cut
+      into the fewest chunks of equal size whose patches take at most 8 MiB each (one chunk,
+      the whole batch, when they fit), accumulated by `lax.scan`; on CPU this was as fast as
+      or faster than one product over all the patches at every measured shape
+      (`benchmarks/conv_statistics.py`). `"patches"`: the whole batch's patches at once
+      (memory `prod(kernel_spatial_shape)` times the input's; no loop, e.g. for an accelerator
+      with memory to spare).
 
     **Returns:**
 
     The pair `(second, first)`, in float32 or the inputs' dtype if wider.
     """
+    if method not in METHODS:
+        raise ValueError(f"patches_moments: `method` must be one of {METHODS}, got {method!r}.")
     return _moments(
-        _moments_by_offsets, inputs, kernel_spatial_shape, strides, padding, data_format,
-        feature_group_count, precision, weighting_array, dimension_numbers, inputs_dilation,
-        kernel_dilation,
+        functools.partial(_moments_by_chunks, method=method), inputs, kernel_spatial_shape,
+        strides, padding, data_format, feature_group_count, precision, weighting_array,
+        dimension_numbers, inputs_dilation, kernel_dilation,
     )
 
 

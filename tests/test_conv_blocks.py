@@ -124,14 +124,21 @@ def _kernel_index_map(spec):
 
 
 @pytest.mark.parametrize(
-    "name", ["nhwc", "nchw_oihw", "nhwc_ohwi_no_bias", "nchw_strided_lhs_dilation"]
+    "name, patches_method",
+    [
+        ("nhwc", "auto"),
+        ("nchw_oihw", "auto"),
+        ("nchw_oihw", "patches"),
+        ("nhwc_ohwi_no_bias", "auto"),
+        ("nchw_strided_lhs_dilation", "auto"),
+    ],
 )
-def test_kronecker_factors_equal_explicit_formulas(getkey, name):
+def test_kronecker_factors_equal_explicit_formulas(getkey, name, patches_method):
     spec, data, _ = _layer(getkey, **_CONFIGS[name])
     dnums = spec.get("dimension_numbers")
     (x,), (dy,) = data.inputs, data.outputs_tangent
     batch = x.shape[dnums.lhs_spec[0]]
-    block = Conv2DTwoKroneckerFactored(spec)
+    block = Conv2DTwoKroneckerFactored(spec, patches_method=patches_method)
     state, dense = _estimate(block, data, batch)
     a, g = (f.value for f in state.factors)
 
@@ -200,6 +207,16 @@ def test_kronecker_rejects_grouped_and_depthwise(getkey):
             "Use Conv2DDiagonal or Conv2DFull",
         ):
             Conv2DTwoKroneckerFactored(spec)
+
+
+def test_kronecker_rejects_unknown_patches_method(getkey):
+    spec, _, _ = _layer(getkey)
+    with pytest.raises(
+        ValueError,
+        match=r"Conv2DTwoKroneckerFactored for the conv2d layer #0 \(conv.p0, conv.p1\): "
+        r"`patches_method` must be one of \('auto', 'patches'\), got 'offsets'",
+    ):
+        Conv2DTwoKroneckerFactored(spec, patches_method="offsets")
 
 
 def test_malformed_specs_are_rejected(getkey):

@@ -1,6 +1,8 @@
 """Tests for `patches_moments` / `patches_moments_explicit` against each other and a numpy loop."""
 
+import functools
 import itertools
+import math
 
 import equinox as eqx
 import hypothesis.strategies as st
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from eqx_kfac import _patches
 from eqx_kfac._patches import patches_moments, patches_moments_explicit
 
 
@@ -51,12 +54,14 @@ _CONFIGS = st.fixed_dictionaries(
         "kernel_dilation": st.sampled_from([(1, 1), (2, 1)]),
         "inputs_dilation": st.sampled_from([(1, 1), (1, 2)]),
         "weighting": st.sampled_from([None, "batch", "locations"]),
+        "channels": st.sampled_from([1, 3]),
+        "method": st.sampled_from(["auto", "patches"]),
     }
 )
 
 
-def _inputs(key, data_format, shape_nhwc=(2, 7, 6, 3)):
-    x = jax.random.normal(key, shape_nhwc, dtype=jnp.float64)
+def _inputs(key, data_format, channels=3):
+    x = jax.random.normal(key, (2, 7, 6, channels), dtype=jnp.float64)
     return x if data_format == "NHWC" else jnp.transpose(x, (0, 3, 1, 2))
 
 
@@ -75,15 +80,17 @@ def _weighting(key, kind, batch, out_spatial):
 @given(config=_CONFIGS)
 def test_efficient_equals_explicit_and_numpy(config):
     keys = jax.random.split(jax.random.key(1), 2)
-    x = _inputs(keys[0], config["data_format"])
+    x = _inputs(keys[0], config["data_format"], config["channels"])
     x_nhwc = x if config["data_format"] == "NHWC" else jnp.transpose(x, (0, 2, 3, 1))
     channels = x_nhwc.shape[-1]
+    # With one channel, a depthwise convolution is an ordinary one.
+    depthwise = config["depthwise"] and channels > 1
     kwargs = dict(
         kernel_spatial_shape=config["kernel"],
         strides=config["strides"],
         padding=config["padding"],
         data_format=config["data_format"],
-        feature_group_count=channels if config["depthwise"] else 1,
+        feature_group_count=channels if depthwise else 1,
         kernel_dilation=config["kernel_dilation"],
         inputs_dilation=config["inputs_dilation"],
     )
@@ -105,7 +112,9 @@ def test_efficient_equals_explicit_and_numpy(config):
     weighting, dense_w = _weighting(keys[1], config["weighting"], x.shape[0], out_spatial)
 
     # Compiled as a whole (static configuration), which is cheaper than op-by-op dispatch.
-    second, first = eqx.filter_jit(patches_moments)(x, weighting_array=weighting, **kwargs)
+    second, first = eqx.filter_jit(patches_moments)(
+        x, weighting_array=weighting, method=config["method"], **kwargs
+    )
     second_x, first_x = eqx.filter_jit(patches_moments_explicit)(x, weighting_array=weighting, **kwargs)
     np.testing.assert_allclose(second, second_x, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(first, first_x, rtol=1e-10, atol=1e-10)
@@ -122,12 +131,61 @@ def test_efficient_equals_explicit_and_numpy(config):
         pads,
         config["inputs_dilation"],
         config["kernel_dilation"],
-        config["depthwise"],
+        depthwise,
         dense_w,
     )
     assert ref_out == tuple(out_spatial)
     np.testing.assert_allclose(second, ref_second, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(first, ref_first, rtol=1e-10, atol=1e-10)
+
+
+def _num_chunks(x, **kwargs):
+    """The length of `patches_moments`' loop over chunks of examples (traced, not run)."""
+    jaxpr = jax.make_jaxpr(functools.partial(patches_moments, **kwargs))(x)
+    (scan,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+    return scan.params["length"]
+
+
+@pytest.mark.parametrize(
+    "shape, kernel, strides",
+    [((128, 16, 8, 8), 3, 1), ((256, 64, 32, 32), 3, 1), ((64, 3, 224, 224), 7, 2), ((2, 1, 4, 4), 1, 1)],
+)
+def test_auto_chunks_the_batch_only_when_its_patches_exceed_the_budget(shape, kernel, strides):
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    kwargs = dict(kernel_spatial_shape=kernel, strides=strides, padding="SAME", data_format="NCHW")
+    out_locations = math.prod(-(-s // strides) for s in shape[2:])
+    example_bytes = out_locations * kernel**2 * shape[1] * 4
+    per_chunk = max(1, _patches._CHUNK_BYTES // example_bytes)
+    assert _num_chunks(x, **kwargs) == -(-shape[0] // per_chunk)
+    assert _num_chunks(x, method="patches", **kwargs) == 1
+
+
+@pytest.mark.parametrize(
+    "batch, channels, size, kernel, data_format, depthwise",
+    [(29, 1, 64, 3, "NHWC", False), (5, 24, 32, 3, "NCHW", False), (5, 24, 32, 3, "NHWC", True)],
+)
+def test_chunks_equal_explicit_patches(getkey, batch, channels, size, kernel, data_format, depthwise):
+    # Large enough that "auto" takes two chunks, the last one padded with a zero example.
+    shape = (batch, size, size, channels) if data_format == "NHWC" else (batch, channels, size, size)
+    x = jax.random.normal(getkey(), shape, dtype=jnp.float64)
+    weights = jax.random.uniform(getkey(), (batch, size, size), dtype=jnp.float64)
+    kwargs = dict(
+        kernel_spatial_shape=kernel,
+        padding="SAME",
+        data_format=data_format,
+        feature_group_count=channels if depthwise else 1,
+        weighting_array=weights,
+    )
+    assert _num_chunks(x, **kwargs) == 2
+    got = eqx.filter_jit(patches_moments)(x, **kwargs)
+    want = eqx.filter_jit(patches_moments_explicit)(x, **kwargs)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10 * float(jnp.max(jnp.abs(w))))
+
+
+def test_unknown_method_is_rejected():
+    with pytest.raises(ValueError, match=r"`method` must be one of \('auto', 'patches'\), got 'offsets'"):
+        patches_moments(jnp.ones((2, 5, 5, 4)), 3, method="offsets")
 
 
 def test_any_dimension_numbers_and_channels_aliases(getkey):

@@ -18,7 +18,7 @@ from jax import lax
 from jaxtyping import Array
 
 from .._layer_data import EstimationData, LayerSpec
-from .._patches import patches_moments
+from .._patches import METHODS, patches_moments
 from .base import CurvatureBlock, outer_from_samples, squares_from_samples, statistics_dtype
 from .diagonal import Diagonal
 from .full import Full
@@ -215,7 +215,7 @@ class Conv2DTwoKroneckerFactored(KroneckerFactored):
     first, a 1 appended when there is a bias), `L` output locations per example and output
     tangents `dy: (V, ...)`:
 
-    - `A = Σ_{b,l} p pᵀ / (B L)` (from `patches_moments`, never materialising the patches),
+    - `A = Σ_{b,l} p pᵀ / (B L)` (from `patches_moments`, with `patches_method`),
     - `G = Σ_v Σ_{b,l} dy dyᵀ / B`.
 
     kfac-jax divides both factors by `B L` and multiplies the product by `L`; the product
@@ -232,13 +232,24 @@ class Conv2DTwoKroneckerFactored(KroneckerFactored):
     **Fields:**
 
     - `spec`: the layer's `LayerSpec` (static).
+    - `patches_method`: `patches_moments`' `method` for `A` (static, keyword-only): `"auto"`
+      (default: the patches of chunks of examples of at most 8 MiB, fastest on CPU) or
+      `"patches"` (the whole batch's patches at once, e.g. on an accelerator with memory to
+      spare: `functools.partial(Conv2DTwoKroneckerFactored, patches_method="patches")` in
+      `layer_tag_to_block_ctor`).
     """
 
     spec: LayerSpec = eqx.field(static=True)
+    patches_method: str = eqx.field(static=True, default="auto", kw_only=True)
     supported_tags: ClassVar[frozenset[str] | None] = frozenset({"conv2d"})
 
     def _check_spec(self) -> None:
         check_conv_spec(self)
+        if self.patches_method not in METHODS:
+            raise ValueError(
+                f"{type(self).__name__} for the {self.spec.describe}: `patches_method` must be "
+                f"one of {METHODS}, got {self.patches_method!r}."
+            )
         groups = int(self.spec.get("feature_group_count", 1))
         if groups != 1:
             raise ValueError(
@@ -292,6 +303,7 @@ class Conv2DTwoKroneckerFactored(KroneckerFactored):
             dimension_numbers=layout.dnums,
             inputs_dilation=params["lhs_dilation"],
             kernel_dilation=params["rhs_dilation"],
+            method=self.patches_method,
         )
         n_in = first.size
         a = jnp.reshape(second, (n_in, n_in))
