@@ -5,7 +5,9 @@ timed on its own as the compile time and then discarded (the steps are pure, so 
 nothing). Then every step is timed from its call until its loss is ready, so the per-step times
 include Python dispatch but no compilation. `losses[t]` is the objective at the parameters after
 `t` steps (the last entry is evaluated after the loop, untimed); `times[t]` is the wall-clock time
-of step `t`. A run whose loss stops being finite ends there, with a NaN final loss.
+of step `t`. A run whose loss stops being finite ends there, with a NaN final loss. What a user
+waits for `losses[t]`, compilation included, is the first call (which computes step 1) and the
+compiled steps 2 to `t` after it (`Run.elapsed_from_first_call`).
 """
 
 import dataclasses
@@ -36,7 +38,8 @@ class Run:
     - `losses`: `(steps + 1,)`, the objective before each step and after the last (fewer steps
       when the run stopped early).
     - `times`: `(steps,)`, seconds per step (compiled).
-    - `compile_time`: seconds of the first call (tracing, compilation and one step).
+    - `compile_time`: seconds of the first call (tracing, compilation and one step; that step
+      runs again, compiled, as `times[0]`).
     """
 
     problem: str
@@ -59,8 +62,17 @@ class Run:
 
     @property
     def elapsed(self) -> np.ndarray:
-        """`(steps + 1,)`: seconds spent in steps before `losses[t]` was reached."""
+        """`(steps + 1,)`: seconds spent in compiled steps before `losses[t]` was reached."""
         return np.concatenate([[0.0], np.cumsum(self.times)])
+
+    @property
+    def elapsed_from_first_call(self) -> np.ndarray:
+        """`(steps + 1,)`: seconds a user waits for `losses[t]`, compilation included.
+
+        The first call (`compile_time`) computes step 1 and the compiled steps 2, 3, ... follow:
+        `0` for `t = 0`, then `compile_time + times[1] + ... + times[t - 1]`.
+        """
+        return np.concatenate([[0.0], self.compile_time + np.cumsum(self.times) - self.times[0]])
 
     def first_reaching(self, target: float) -> int | None:
         """The first step count `t` with `losses[t] <= target`, or `None` if never."""

@@ -18,15 +18,20 @@ Settings (both with `inverse_update_period=5`, `curvature_ema=0.95`, `l2_reg=1e-
 
 Methods run alternately (A B C A B C ...), `--steps-per-round` steps each (default 5: one inverse
 update and one damping update per round); the table gives the median over rounds of the per-step
-time and ratios to Adam. Peak memory is XLA's buffer assignment for one compiled step (arguments,
+time and ratios to Adam. The first-call table gives the seconds of each method's first step call
+(tracing, compilation and one step, as a user waits; `Optimizer.step` for ours, the jitted optax
+step for Adam), taken once per process in the order of the table, after `init` (untimed); for
+kfac-jax, the median over its runs (see `tests/reference/kfac_jax_step_time.py` for what its
+first call includes). Peak memory is XLA's buffer assignment for one compiled step (arguments,
 outputs and temporaries: parameters, optimizer state, batch, intermediates), for kfac-jax's
 step too when it runs. The breakdown times every piece of the step alone (each jitted):
 the gradient, the curvature statistics, the preconditioning with cached inverses, the quadratic
 model's products, the inverses (divided by the period). The FLOP floor counts what a step must
 compute (2 flops per multiply-add) from the layer shapes; the achieved fraction is
-`(floor FLOPs / our time) / (Adam FLOPs / Adam time)`. `faults/step` counts the process's minor
-page faults per step: XLA's per-step scratch buffer is faulted in anew at every step under glibc's
-defaults, which `--hugepage-malloc` avoids (`use_hugepage_malloc`).
+`(floor FLOPs / our time) / (Adam FLOPs / Adam time)`; `--breakdown-repeats 0` skips the
+breakdown. `faults/step` counts the process's minor page faults per step: XLA's per-step scratch
+buffer is faulted in anew at every step under glibc's defaults, which `--hugepage-malloc` avoids
+(`use_hugepage_malloc`).
 """
 
 import argparse
@@ -265,23 +270,32 @@ def step_memory(lower):
 # --- kfac-jax -------------------------------------------------------------------------------
 
 
+# The columns of the peer script's table after the method's name.
+PEER_COLUMNS = ("ms", "ms_x_adam", "mib", "mib_x_adam", "faults", "first_s", "first_x_adam")
+
+
+def parse_peer_table(out):
+    """`{method: {column: value}}` from the peer script's output (columns `PEER_COLUMNS`);
+    a `RuntimeError` showing the output if a method's row is missing."""
+    rows = {}
+    pattern = r"^(" + "|".join(PEER_METHODS) + r")" + len(PEER_COLUMNS) * r"\s+([0-9.]+)" + "$"
+    for line in out.splitlines():
+        match = re.match(pattern, line.strip())
+        if match:
+            rows[match.group(1)] = dict(zip(PEER_COLUMNS, map(float, match.groups()[1:])))
+    if set(rows) != set(PEER_METHODS):
+        raise RuntimeError(f"Could not parse the kfac-jax table:\n{out}")
+    return rows
+
+
 def run_peer(venv, quick, rounds, steps, batch_size):
+    """Runs the peer script in `venv` (a fresh process) and parses its table (`parse_peer_table`)."""
     cmd = [os.path.join(venv, "bin", "python"), PEER_SCRIPT, "--rounds", str(rounds),
            "--steps-per-round", str(steps), "--batch-size", str(batch_size)]
     if quick:
         cmd.append("--quick")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    times, mib, faults = {}, {}, {}
-    number = r"\s+([0-9.]+)"
-    for line in out.splitlines():
-        match = re.match(r"^(adam|kfac_adaptive|kfac_fixed)" + 5 * number + "$", line.strip())
-        if match:
-            times[match.group(1)] = float(match.group(2)) / 1e3
-            mib[match.group(1)] = float(match.group(4))
-            faults[match.group(1)] = float(match.group(6))
-    if set(times) != set(PEER_METHODS):
-        raise RuntimeError(f"Could not parse the kfac-jax table:\n{out}")
-    return times, mib, faults
+    return parse_peer_table(out)
 
 
 # --- allocator ------------------------------------------------------------------------------
@@ -324,7 +338,8 @@ def main():
     parser.add_argument("--peer-repeats", type=int, default=2,
                         help="kfac-jax runs, alternated with blocks of our rounds")
     parser.add_argument("--no-memory", action="store_true", help="skip the step-memory analysis")
-    parser.add_argument("--breakdown-repeats", type=int, default=10)
+    parser.add_argument("--breakdown-repeats", type=int, default=10,
+                        help="timed calls of each piece of the breakdown (0: no breakdown)")
     parser.add_argument("--plot", default=None, help="write a breakdown bar chart (PNG) here")
     parser.add_argument(
         "--hugepage-malloc", action="store_true",
@@ -332,6 +347,10 @@ def main():
              "pages for malloc's large blocks, such as XLA's per-step scratch buffer",
     )
     args = parser.parse_args()
+    if args.breakdown_repeats < 0:
+        parser.error("--breakdown-repeats must be at least 0")
+    if args.plot and not args.breakdown_repeats:
+        parser.error("--plot draws the breakdown: it needs --breakdown-repeats of at least 1")
     if args.hugepage_malloc:
         use_hugepage_malloc()
     sizes = AUTOENCODER
@@ -344,14 +363,18 @@ def main():
     runners, lowerers = {}, {}
     for m in METHODS:
         runners[m], lowerers[m] = make_runner(m, model, x)
+    first = {}
+    for m, run in runners.items():
+        start = time.perf_counter()
+        run(1)
+        first[m] = time.perf_counter() - start
     for run in runners.values():
-        run(2 * args.steps_per_round)
+        run(2 * args.steps_per_round - 1)
 
     blocks = args.peer_repeats if args.peer_venv else 1
     ours = {m: [] for m in METHODS}
     faults = dict.fromkeys(METHODS, 0)
-    peer = {m: [] for m in METHODS}
-    peer_faults = {m: [] for m in METHODS}
+    peer_runs = {m: [] for m in PEER_METHODS}
     for b in range(blocks):
         for _ in range(max(1, rounds // blocks)):
             for m, run in runners.items():
@@ -361,16 +384,27 @@ def main():
                 ours[m].append((time.perf_counter() - start) / args.steps_per_round)
                 faults[m] += minor_faults() - before
         if args.peer_venv:
-            peer_times, peer_mib, faults_of_run = run_peer(
+            peer_table = run_peer(
                 args.peer_venv, args.quick, max(2, rounds // blocks), args.steps_per_round,
                 args.batch_size,
             )
-            for m, t in peer_times.items():
-                peer[m].append(t)
-                peer_faults[m].append(faults_of_run[m])
+            for m, row in peer_table.items():
+                peer_runs[m].append(row)
     med = {m: statistics.median(ts) for m, ts in ours.items()}
     faults = {m: f / (len(ours[m]) * args.steps_per_round) for m, f in faults.items()}
-    peer_med = {m: statistics.median(ts) for m, ts in peer.items() if ts}
+    peer = {}
+    if args.peer_venv:
+        # Seconds per step and of the first call: medians over kfac-jax's runs; faults: means;
+        # step memory: the same in every run.
+        peer = {
+            m: {
+                "time": statistics.median(r["ms"] for r in rows) / 1e3,
+                "first": statistics.median(r["first_s"] for r in rows),
+                "faults": statistics.mean(r["faults"] for r in rows),
+                "mib": rows[-1]["mib"],
+            }
+            for m, rows in peer_runs.items()
+        }
 
     kfac_methods = ("kfac_adaptive", "kfac_fixed")
     floors = {m: flop_floor(sizes, args.batch_size, m == "kfac_adaptive") for m in kfac_methods}
@@ -384,29 +418,42 @@ def main():
           f"steps, alternated; malloc: "
           f"{'GLIBC_TUNABLES=' + HUGEPAGE_TUNABLE if args.hugepage_malloc else 'glibc defaults'}")
     header = f"{'method':<15}{'ms/step':>9}{'x Adam':>8}{'floor x':>9}{'of floor':>9}"
-    if peer_med:
+    if peer:
         header += f"{'kfac-jax ms':>12}{'x Adam':>8}{'ours/kfac-jax':>14}"
     if memory:
         header += f"{'step MiB':>10}{'x Adam':>8}"
     header += f"{'faults/step':>12}"
-    if peer_med:
+    if peer:
         header += f"{'kfac-jax MiB':>13}{'x Adam':>8}{'faults/step':>12}"
     print(header)
     for m in METHODS:
         floor_ratio = sum(floors[m].values()) / adam_flops if m in floors else 1.0
         ratio = med[m] / med["adam"]
         line = f"{m:<15}{1e3 * med[m]:>9.2f}{ratio:>8.2f}{floor_ratio:>9.2f}{floor_ratio / ratio:>9.2f}"
-        if peer_med and m in peer_med:
-            peer_ratio = peer_med[m] / peer_med["adam"]
-            line += f"{1e3 * peer_med[m]:>12.2f}{peer_ratio:>8.2f}{med[m] / peer_med[m]:>14.2f}"
-        elif peer_med:
+        if m in peer:
+            peer_ratio = peer[m]["time"] / peer["adam"]["time"]
+            line += f"{1e3 * peer[m]['time']:>12.2f}{peer_ratio:>8.2f}{med[m] / peer[m]['time']:>14.2f}"
+        elif peer:
             line += " " * 34
         if memory:
             line += f"{memory[m] / 2**20:>10.0f}{memory[m] / memory['adam']:>8.2f}"
         line += f"{faults[m]:>12.0f}"
-        if peer_med and m in peer_mib:
-            line += f"{peer_mib[m]:>13.0f}{peer_mib[m] / peer_mib['adam']:>8.2f}"
-            line += f"{statistics.mean(peer_faults[m]):>12.0f}"
+        if m in peer:
+            line += f"{peer[m]['mib']:>13.0f}{peer[m]['mib'] / peer['adam']['mib']:>8.2f}"
+            line += f"{peer[m]['faults']:>12.0f}"
+        print(line)
+
+    print("\nFirst call of the step (seconds: tracing, compilation and one step):")
+    header = f"{'method':<15}{'first s':>9}{'x Adam':>8}"
+    if peer:
+        header += f"{'kfac-jax s':>12}{'x Adam':>8}{'ours/kfac-jax':>14}"
+    print(header)
+    for m in METHODS:
+        line = f"{m:<15}{first[m]:>9.2f}{first[m] / first['adam']:>8.2f}"
+        if m in peer:
+            peer_first = peer[m]["first"]
+            line += f"{peer_first:>12.2f}{peer_first / peer['adam']['first']:>8.2f}"
+            line += f"{first[m] / peer_first:>14.2f}"
         print(line)
 
     print("\nFLOP floor per step (GFLOP):")
@@ -414,6 +461,8 @@ def main():
         parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in floors[m].items())
         print(f"  {m}: {sum(floors[m].values()) / 1e9:.1f} ({parts}); Adam {adam_flops / 1e9:.1f}")
 
+    if not args.breakdown_repeats:
+        return
     pieces = breakdown(model, x, args.breakdown_repeats)
     print("\nBreakdown of an adaptive step (each piece jitted and timed alone, median ms):")
     total = med["kfac_adaptive"]

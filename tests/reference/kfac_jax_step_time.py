@@ -7,6 +7,7 @@ venv (jax 0.8.2 + kfac-jax + dm-haiku + optax), never in the main venv:
 
     /work/peervenv/bin/python tests/reference/kfac_jax_step_time.py            # full size
     /work/peervenv/bin/python tests/reference/kfac_jax_step_time.py --quick    # smoke run
+    /work/peervenv/bin/python tests/reference/kfac_jax_step_time.py --first-call
 
 Timed steps (each already compiled; the step functions are called exactly as a user calls them):
 - `adam`: `optax.adam(1e-3)` inside one `jax.jit` (value_and_grad + update + apply_updates);
@@ -26,6 +27,15 @@ donated buffers), as `benchmarks/step_time.py` reports for ours. kfac-jax jits i
 `jax.jit` during the import) to lower it with the arguments of a real step. The adaptive setting
 compiles one step that updates the damping and one that does not; the larger is reported.
 `faults/step` counts the process's minor page faults during the timed steps, per step.
+
+`first s` is the first call of each method's step, as a user waits for it: tracing, compilation
+and one step, after `init` (untimed). The first calls come before any other step, in the order of
+the table (a later method may find parts of JAX's tracing caches warm).
+kfac-jax's adaptive first call compiles its step without the damping update; the variant that
+updates the damping compiles at the fifth call (the first adaptation,
+`damping_adaptation_interval=5`), a second wait of the same order that `first s` leaves out. `--first-call` builds the adaptive
+setting only, times its first call and prints `first_call_s <seconds>` (for
+`benchmarks/compile_time.py`).
 """
 
 import argparse
@@ -135,6 +145,8 @@ def main():
     parser.add_argument("--steps-per-round", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--quick", action="store_true", help="widths / 10, 2 rounds")
+    parser.add_argument("--first-call", action="store_true",
+                        help="only time the first call of the adaptive K-FAC step")
     args = parser.parse_args()
     sizes = AUTOENCODER
     rounds = args.rounds
@@ -155,7 +167,6 @@ def main():
         updates, opt_state = adam.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    runners = {}
     adam_carry = [jax.tree.map(jnp.copy, params0), adam.init(params0)]
 
     def run_adam(n):
@@ -163,10 +174,12 @@ def main():
             adam_carry[0], adam_carry[1], _ = adam_step(adam_carry[0], adam_carry[1], x)
         block(adam_carry[0])
 
-    runners["adam"] = run_adam
-    memory = {"adam": lambda: compiled_bytes(adam_step.lower(adam_carry[0], adam_carry[1], x))}
-
-    for name, adaptive in (("kfac_adaptive", True), ("kfac_fixed", False)):
+    runners, memory = {}, {}
+    if not args.first_call:
+        runners["adam"] = run_adam
+        memory["adam"] = lambda: compiled_bytes(adam_step.lower(adam_carry[0], adam_carry[1], x))
+    kfac_settings = (("kfac_adaptive", True),) + (() if args.first_call else (("kfac_fixed", False),))
+    for name, adaptive in kfac_settings:
         opt, step_kwargs = make_kfac(loss, adaptive)
         carry = [jax.tree.map(jnp.copy, params0), None, jax.random.PRNGKey(2)]
         carry[1] = opt.init(carry[0], jax.random.PRNGKey(3), x)
@@ -181,9 +194,17 @@ def main():
         runners[name] = run_kfac
         memory[name] = ft.partial(kfac_step_bytes, opt, carry, x, step_kwargs, adaptive)
 
+    first = {}
+    for name, run in runners.items():
+        start = time.perf_counter()
+        run(1)
+        first[name] = time.perf_counter() - start
+    if args.first_call:
+        print(f"first_call_s {first['kfac_adaptive']:.2f}")
+        return
     # Compile every variant (kfac-jax compiles separately the steps that adapt the damping).
     for run in runners.values():
-        run(2 * args.steps_per_round)
+        run(2 * args.steps_per_round - 1)
 
     times = {name: [] for name in runners}
     faults = dict.fromkeys(runners, 0)
@@ -200,12 +221,13 @@ def main():
     adam_median = statistics.median(times["adam"])
     mib = {name: f() / 2**20 for name, f in memory.items()}
     print(f"{'method':<16}{'median ms/step':>16}{'x Adam':>10}{'step MiB':>10}{'x Adam':>8}"
-          f"{'faults/step':>13}")
+          f"{'faults/step':>13}{'first s':>9}{'x Adam':>8}")
     for name, ts in times.items():
         median = statistics.median(ts)
         print(f"{name:<16}{1e3 * median:>16.2f}{median / adam_median:>10.2f}"
               f"{mib[name]:>10.0f}{mib[name] / mib['adam']:>8.2f}"
-              f"{faults[name] / (rounds * args.steps_per_round):>13.0f}")
+              f"{faults[name] / (rounds * args.steps_per_round):>13.0f}"
+              f"{first[name]:>9.2f}{first[name] / first['adam']:>8.2f}")
 
 
 if __name__ == "__main__":
