@@ -9,7 +9,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 from models import brute_force_ggn, mlp_classification
 
-from eqx_kfac._optimizer import Optimizer
+from eqx_kfac import Optimizer, StepContext, exact_quadratic_model
 
 
 @pytest.mark.parametrize("mode", ["ggn_curvature_prop", "fisher_gradients"])
@@ -26,10 +26,18 @@ def test_exact_quad_model_matches_dense_ggn(getkey, mode, num_vectors):
         jax.value_and_grad(problem.loss_fn), l2_reg=0.0, estimation_mode=mode,
         use_adaptive_learning_rate=True, use_adaptive_momentum=True,
     )
-    implicit = optimizer.estimators(problem.func_args)[1]
-    model = eqx.filter_jit(optimizer._exact_quad_model)(
-        implicit, problem.func_args, vectors, grads
-    )
+    block_diagonal, implicit = optimizer.estimators(problem.func_args)
+
+    def model_of(func_args, vectors, grads):
+        # Only the fields the exact model reads are meaningful here.
+        context = StepContext(
+            jnp.zeros((), int), jnp.zeros((), int), func_args, jnp.zeros(()), grads,
+            block_diagonal, None, implicit, mode, 0.0, None, optimizer.value_func,
+            lambda out: out, (None, None, None),
+        )
+        return exact_quadratic_model(context, vectors)
+
+    model = eqx.filter_jit(model_of)(problem.func_args, vectors, grads)
     v = jnp.stack(dense_vectors, axis=1)
     # For softmax cross-entropy the Fisher equals the GGN, so both modes share the reference.
     np.testing.assert_allclose(model.a, v.T @ ggn @ v, rtol=1e-10, atol=1e-12)
