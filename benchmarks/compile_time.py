@@ -4,8 +4,9 @@
 
 For each model, the K-FAC step (`eqx_kfac.Optimizer`, adaptive learning rate, momentum and
 damping, burn-in inside the first step, inverses every 5 steps) is traced and lowered
-(`jax.jit(...).lower`) and compiled (`.compile()`), each timed; then the step's parts are
-compiled on their own, so their times show what each part costs XLA:
+(`jax.jit(...).lower`) and compiled (`.compile()`), each timed in process CPU seconds (less
+sensitive to a busy machine than the wall clock); then the step's parts are compiled on their
+own, so their times show what each part costs XLA:
 
 - `value_and_grad`: the loss and its gradient (what Adam compiles too);
 - `curvature`: one curvature update (the estimator's forward and vmapped backward pass, the
@@ -23,9 +24,9 @@ and 32, and the zoo's models (`benchmarks/model_zoo`).
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,38 +45,43 @@ from model_zoo.training import make_optimizer  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
+    """`fn()` and the process CPU seconds it took (less sensitive to a busy machine than the
+    wall clock; XLA compiles on one thread)."""
+    start = _cpu_seconds()
     out = fn()
-    return out, time.perf_counter() - start
+    return out, _cpu_seconds() - start
 
 
 def compile_seconds(fn: Callable[..., Any], *args: Any) -> tuple[float, float]:
-    """`(trace and lower, XLA compile)` seconds of `eqx.filter_jit(fn)(*args)`."""
+    """`(trace and lower, XLA compile)` CPU seconds of `eqx.filter_jit(fn)(*args)`."""
     lowered, lower = _timed(lambda: eqx.filter_jit(fn).lower(*args))
     _, compile_ = _timed(lowered.compile)
     return lower, compile_
 
 
-def _autoencoder_problem(key: Any) -> zoo.ZooProblem:
-    from _problems import TanhNet
+def _autoencoder_problem() -> tuple[zoo.ZooProblem, dict[str, Any]]:
+    """The autoencoder of `step_time.py` (and of kfac-jax's twin), with the same settings."""
+    import step_time
 
-    sizes = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
-    model = TanhNet(sizes, key)
-    x = jax.random.uniform(jax.random.fold_in(key, 1), (512, 784))
-
-    def loss(model, batch):
-        logits = jax.vmap(model)(batch)
-        eqx_kfac.register_sigmoid_cross_entropy_loss(logits, batch)
-        return jnp.mean(jnp.sum(jax.nn.softplus(logits) - batch * logits, axis=-1))
-
-    return zoo.ZooProblem("autoencoder", model, loss, lambda m, s, k, p: x, batch_size=512)
+    model, x = step_time.make_problem(step_time.AUTOENCODER, 512)
+    optimizer, _ = step_time.make_kfac(adaptive=True)
+    options = dict(
+        l2_reg=optimizer.l2_reg, estimation_mode="ggn_curvature_prop", num_burnin_steps=0,
+        value_func_for_estimator=step_time.data_loss,
+    )
+    return zoo.ZooProblem("autoencoder", model, step_time.loss, lambda m, s, k, p: x, batch_size=512), options
 
 
 def _problem(name: str) -> tuple[zoo.ZooProblem, dict[str, Any]]:
     key = jax.random.key(0)
     if name == "autoencoder":
-        return _autoencoder_problem(key), dict(estimation_mode="ggn_curvature_prop")
+        return _autoencoder_problem()
     if name.startswith("scan_mlp_"):
         depth = int(name.rsplit("_", 1)[1])
         return zoo.scan_mlp.problem(key, depth=depth), {}
@@ -107,9 +113,15 @@ def breakdown(name: str) -> dict[str, tuple[float, float]]:
     times["precondition"] = compile_seconds(
         lambda s, g: block_diagonal.multiply_matpower(s, g, 1.0, -1, False, True), estimator_state, grads
     )
-    times["quadratic model"] = compile_seconds(
-        lambda args, g: optimizer._exact_quad_model(implicit, args, [g, g], g), func_args, grads
-    )
+    def quadratic_model(args, g):
+        context = eqx_kfac.StepContext(
+            jnp.zeros((), int), jnp.zeros((), int), args, jnp.zeros(()), g, block_diagonal,
+            estimator_state, implicit, optimizer.estimation_mode, optimizer.l2_reg, None,
+            optimizer.value_func, lambda out: out, (None, None, None),
+        )
+        return eqx_kfac.exact_quadratic_model(context, [g, g])
+
+    times["quadratic model"] = compile_seconds(quadratic_model, func_args, grads)
     return times
 
 
@@ -132,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--peer-venv", help="a venv with kfac-jax 0.0.8 (jax 0.8) for its first step")
     args = parser.parse_args(argv)
     parts = ("step", "value_and_grad", "curvature", "inverses", "precondition", "quadratic model")
-    print("| model | " + " | ".join(f"{p} (lower + compile s)" for p in parts) + " |")
+    print("| model | " + " | ".join(f"{p} (lower + compile, CPU s)" for p in parts) + " |")
     print("|---" * (len(parts) + 1) + "|")
     for name in args.models:
         times = breakdown(name)

@@ -248,7 +248,7 @@ def breakdown(model, x, repeats):
             jax.block_until_ready(fn())
             samples.append(time.perf_counter() - start)
         times[name] = statistics.median(samples)
-    times["inverses"] /= opt.inverse_update_period
+    times["inverses"] /= opt.refresh.inverse_update_period
     return times
 
 

@@ -23,6 +23,9 @@ import _training  # noqa: E402
 import run as bench  # noqa: E402
 import step_time  # noqa: E402
 
+# One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("test_benchmarks_smoke")
+
 
 STEPS = 8
 

@@ -9,6 +9,9 @@ import pytest
 
 import eqx_kfac
 
+# One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("test_extending")
+
 PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
 
