@@ -1,0 +1,121 @@
+"""The report of `alternatives.py`: its markdown table, its one-line summaries and its plots."""
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from alternatives import Outcome
+
+# K-FAC's two forms: left out of a problem's target (the best baseline's final loss).
+KFAC_METHODS = ("kfac", "recipe")
+# The final loss of a run is its mean training loss over the last `WINDOW` steps.
+WINDOW = 10
+
+
+def _spread(values: Sequence[float], spec: str) -> str:
+    """`median` or `median [min, max]` of the finite values, `-` if none."""
+    finite = [v for v in values if np.isfinite(v)]
+    if not finite:
+        return "-"
+    text = format(float(np.median(finite)), spec)
+    if len(values) > 1:
+        text += f" [{min(finite):{spec}}, {max(finite):{spec}}]"
+    return text + ("" if len(finite) == len(values) else f" ({len(finite)}/{len(values)})")
+
+
+def table(outcomes: Sequence["Outcome"]) -> str:
+    """The markdown table: one row per problem and method.
+
+    Values over seeds are `median [min, max]`, with `(k/n)` when only `k` of the `n` seeds
+    reached the target or stayed finite. `grid s` is the wall time of the whole learning-rate
+    search of that method (seed 0), what tuning it cost.
+    """
+    header = (
+        "| problem | method | lr (grid) | final loss | steps to target | s to target (first call) "
+        "| s to target (compiled) | ms/step | first call s | grid s |"
+    )
+    lines = [header, "|" + "---|" * 10]
+    for outcome in outcomes:
+        for method, runs in outcome.seeds.items():
+            grid = outcome.grids[method]
+            reaches = outcome.reaches(method)
+            rate = "adaptive" if runs[0].learning_rate is None else (
+                f"{runs[0].learning_rate:g} ("
+                + ", ".join(f"{r.learning_rate:g}" for r in sorted(grid, key=lambda r: r.learning_rate))
+                + ")"
+            )
+            lines.append(
+                f"| {outcome.problem} | {method} | {rate} "
+                f"| {_spread([r.final_loss(WINDOW) for r in runs], '.4f')} "
+                f"| {_spread([np.inf if r is None else r.steps for r in reaches], '.0f')} "
+                f"| {_spread([np.inf if r is None else r.wall for r in reaches], '.1f')} "
+                f"| {_spread([np.inf if r is None else r.compiled for r in reaches], '.2f')} "
+                f"| {_spread([r.ms_per_step for r in runs], '.1f')} "
+                f"| {_spread([r.first_call for r in runs], '.1f')} "
+                f"| {sum(r.wall for r in grid):.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def summary(outcome: "Outcome") -> str:
+    """Which method reaches the target first from the first call, and the ratio to the runner-up.
+
+    **Returns:**
+
+    A line naming the fastest method (median over seeds), the fastest K-FAC form and the fastest
+    baseline, with the baseline's time over K-FAC's.
+    """
+    walls = {m: outcome.median_wall(m) for m in outcome.seeds}
+    winner = min(walls, key=walls.get)
+    kfac = min((m for m in walls if m in KFAC_METHODS), key=walls.get, default=None)
+    other = min((m for m in walls if m not in KFAC_METHODS), key=walls.get)
+    text = f"{outcome.problem}: first {winner} ({walls[winner]:.1f} s)"
+    if kfac is not None:
+        ratio = walls[other] / walls[kfac] if np.isfinite(walls[kfac]) else 0.0
+        text += (f"; K-FAC's best {kfac} {walls[kfac]:.1f} s, baselines' best {other} "
+                 f"{walls[other]:.1f} s: {ratio:.2f}x")
+    return text + f" (target {outcome.target(0):.4f} on seed 0)"
+
+
+COLORS = {"kfac": "tab:green", "recipe": "tab:olive", "adam": "tab:blue", "muon": "tab:red",
+          "sophia": "tab:purple", "psgd": "tab:brown"}
+
+
+def plot(outcome: "Outcome", path: str) -> None:
+    """Writes the smoothed loss of each method's chosen run (seed 0) against steps and seconds.
+
+    **Arguments:**
+
+    - `outcome`: the problem's results.
+    - `path`: the PNG to write.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for method, runs in outcome.seeds.items():
+        run = runs[0]
+        label = method if run.learning_rate is None else f"{method} lr={run.learning_rate:g}"
+        style = dict(color=COLORS[method], lw=1.8 if method in KFAC_METHODS else 1.1, label=label)
+        axes[0].plot(run.smoothed(), **style)
+        axes[1].plot(run.elapsed(), run.smoothed(), **style)
+    for ax, xlabel in zip(axes, ("step", "seconds from the first call (compilation included)")):
+        ax.axhline(outcome.target(0), color="gray", ls="--", lw=0.8, label="target")
+        if outcome.exact is None:
+            ax.set_yscale("log")
+        else:
+            ax.axhline(outcome.exact, color="k", ls=":", lw=0.8, label="exact")
+            ax.set_ylim(outcome.exact - 0.05, outcome.exact + 0.6)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"training loss, mean of the last {WINDOW} steps")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{outcome.problem}: {outcome.steps} steps, seed 0")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
