@@ -213,7 +213,7 @@ def quantities(kind, shape, weight, masked):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@settings(max_examples=4)
+@settings(max_examples=2)
 @given(**cases)
 def test_products_equal_factor_products(kind, shape, weight, masked):
     _, q = quantities(kind, shape, weight, masked)
@@ -224,7 +224,7 @@ def test_products_equal_factor_products(kind, shape, weight, masked):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@settings(max_examples=4)
+@settings(max_examples=2)
 @given(**cases)
 def test_replicated_one_hot(kind, shape, weight, masked):
     case, q = quantities(kind, shape, weight, masked)
@@ -248,7 +248,7 @@ def test_replicated_one_hot(kind, shape, weight, masked):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@settings(max_examples=4)
+@settings(max_examples=2)
 @given(**cases)
 def test_fisher_is_expected_hessian(kind, shape, weight, masked):
     _, q = quantities(kind, shape, weight, masked)
@@ -256,7 +256,7 @@ def test_fisher_is_expected_hessian(kind, shape, weight, masked):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@settings(max_examples=4)
+@settings(max_examples=2)
 @given(**cases)
 def test_ggn_is_hessian_of_evaluate(kind, shape, weight, masked):
     _, q = quantities(kind, shape, weight, masked)
@@ -268,7 +268,7 @@ def test_ggn_is_hessian_of_evaluate(kind, shape, weight, masked):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@settings(max_examples=4)
+@settings(max_examples=2)
 @given(**cases)
 def test_evaluate_and_gradient_match_reference(kind, shape, weight, masked):
     _, q = quantities(kind, shape, weight, masked)
@@ -282,7 +282,7 @@ def test_evaluate_and_gradient_match_reference(kind, shape, weight, masked):
 
 
 @pytest.mark.parametrize("kind", sorted(MASKABLE))
-@settings(max_examples=4)
+@settings(max_examples=2)
 @given(shape=shapes, weight=st.floats(0.1, 3.0))
 def test_masks_zero_masked_examples(kind, shape, weight):
     case, q = quantities(kind, shape, weight, True)
