@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import eqx_kfac
-from eqx_kfac._linalg import eigh, spd_inverse
+from eqx_kfac._core.linalg import eigh, spd_inverse
 
 
 _LAPACK = re.compile(r'custom_call @(lapack_\w+|blas_\w+)\(.*?num_batch_dims = "(\d+)"')

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from eqx_kfac import _operators as O, _spectral as S
+from eqx_kfac._curvature.linear import operators as O, spectral as S
 
 
 PSD = lx.positive_semidefinite_tag

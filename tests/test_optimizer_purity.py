@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from models import mlp_classification
 
-from eqx_kfac._optimizer import Optimizer
+from eqx_kfac._optim.optimizer import Optimizer
 
 
 PROBLEM = mlp_classification(jax.random.key(0))

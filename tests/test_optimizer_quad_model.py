@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from eqx_kfac._quad_model import (
+from eqx_kfac._core.tree import all_finite
+from eqx_kfac._optim.quad_model import (
     QuadraticModel,
-    all_finite,
     gram_matrix,
     levenberg_marquardt_damping,
     norm_constraint_scale,

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _distributed
-from .._quad_model import QuadraticModel, gram_matrix, quadratic_model
+from .._core import distributed as _distributed
+from .quad_model import QuadraticModel, gram_matrix, quadratic_model
 from .context import StepContext
 
 
