@@ -74,15 +74,19 @@ from ._tracing.losses import (
 )
 from ._curvature.linear.operators import (
     BlockDiagonalOperator as BlockDiagonalOperator,
+    KroneckerOperator as KroneckerOperator,
+)
+from ._curvature.linear.kronecker import (
     kronecker_damped_matpower as kronecker_damped_matpower,
     kronecker_damped_solve as kronecker_damped_solve,
     kronecker_eigh as kronecker_eigh,
-    KroneckerEigenSolver as KroneckerEigenSolver,
     KroneckerEigh as KroneckerEigh,
-    KroneckerOperator as KroneckerOperator,
-    KroneckerPiAdjustedSolver as KroneckerPiAdjustedSolver,
     pi_adjusted_damped_factors as pi_adjusted_damped_factors,
     pi_adjusted_inverse as pi_adjusted_inverse,
+)
+from ._curvature.linear.solvers import (
+    KroneckerEigenSolver as KroneckerEigenSolver,
+    KroneckerPiAdjustedSolver as KroneckerPiAdjustedSolver,
 )
 from ._curvature.linear.spectral import (
     eigenvalues as eigenvalues,

@@ -16,7 +16,7 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Inexact, PRNGKeyArray, PyTree
 
-from .blocks.base import WeightedMovingAverage
+from .blocks.statistics import WeightedMovingAverage
 from .blocks.kronecker import KroneckerFactored
 from .curvature_operators import (
     AbstractCurvatureOperator,
@@ -29,7 +29,7 @@ from .estimators import (
     EstimatorState,
     ParameterSpaceOperator,
 )
-from .linear.operators import _identity_like
+from .linear.kronecker import _identity_like
 from .linear.spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
 
 

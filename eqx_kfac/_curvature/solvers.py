@@ -30,7 +30,7 @@ from .blocks import CurvatureBlock, Full, KroneckerFactored
 from .blocks._solver_cache import damped_kronecker, SolverChoice
 from .blocks.base import flatten_vector, unflatten_vector
 from .estimators.base import AbstractCurvatureEstimator, EstimatorState, _per_block
-from .linear.operators import KroneckerEigenSolver
+from .linear.solvers import KroneckerEigenSolver
 
 
 def _factors_and_maps(block: CurvatureBlock, state: eqx.Module):

@@ -6,7 +6,6 @@ momentum, clipping, weight decay, schedules, gradient accumulation) is left to o
 transformations around it.
 """
 
-import collections
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,9 +19,12 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._curvature.blocks import CurvatureBlock
 from .._curvature.blocks._solver_cache import check_solver_choice, SolverChoice
+from .._core.cache import LRUCache
 from .._core.control_flow import periodic
+from .._core.tree import abstract_arrays, signature
 from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState
-from .._curvature.estimators.base import batch_size_of, ESTIMATION_MODES
+from .._curvature.estimators.base import batch_size_of
+from .._curvature.estimators.modes import ESTIMATION_MODES
 from .._curvature.estimators.fallbacks import check_on_unmatched
 from .._curvature.estimators.loss_checks import check_batch_size, check_loss_is_averaged
 from .._tracing.layer_data import LayerSpec
@@ -48,12 +50,7 @@ class KFACPreconditionerState(eqx.Module):
     estimator_state: EstimatorState
 
 
-_ESTIMATORS: collections.OrderedDict = collections.OrderedDict()
-_ESTIMATORS_SIZE = 32
-
-
-def _abstract(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x
+_ESTIMATORS = LRUCache(maxsize=32)
 
 
 def _estimator(
@@ -71,47 +68,33 @@ def _estimator(
     every update would trace the loss again. When it is built, the loss is checked against its
     registrations (see `loss_checks`) on the example arguments.
     """
-    abstract = jax.tree.map(_abstract, example_args)
-    leaves, treedef = jax.tree.flatten(abstract)
+    abstract = abstract_arrays(example_args)
     ctors = tuple(sorted((layer_tag_to_block_ctor or {}).items()))
+
+    def build() -> BlockDiagonalCurvature:
+        estimator = BlockDiagonalCurvature(
+            loss_fn,
+            abstract,
+            default_estimation_mode=estimation_mode,
+            layer_tag_to_block_ctor=dict(ctors) or None,
+            inverse_solver=inverse_solver,
+            on_unmatched=on_unmatched,
+        )
+        logger.info(
+            "eqx_kfac.kfac_preconditioner: curvature blocks (%d blocks, %d parameters):\n%s",
+            estimator.num_blocks, estimator.dim, estimator.registrations(),
+        )
+        batch_size = batch_size_of(estimator.func, example_args, 0, batch_size_extractor)
+        if batch_size_extractor is not None:
+            check_batch_size(estimator.func, example_args, batch_size)
+        check_loss_is_averaged(loss_fn, _loss_of, example_args, batch_size)
+        return estimator
+
     key = (
-        loss_fn,
-        treedef,
-        tuple((x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x for x in leaves),
-        estimation_mode,
-        ctors,
-        inverse_solver,
-        on_unmatched,
+        loss_fn, signature(abstract), estimation_mode, ctors, inverse_solver, on_unmatched,
         batch_size_extractor,
     )
-    try:
-        hash(key)
-    except TypeError:
-        key = None
-    if key is not None and key in _ESTIMATORS:
-        _ESTIMATORS.move_to_end(key)
-        return _ESTIMATORS[key]
-    estimator = BlockDiagonalCurvature(
-        loss_fn,
-        abstract,
-        default_estimation_mode=estimation_mode,
-        layer_tag_to_block_ctor=dict(ctors) or None,
-        inverse_solver=inverse_solver,
-        on_unmatched=on_unmatched,
-    )
-    logger.info(
-        "eqx_kfac.kfac_preconditioner: curvature blocks (%d blocks, %d parameters):\n%s",
-        estimator.num_blocks, estimator.dim, estimator.registrations(),
-    )
-    batch_size = batch_size_of(estimator.func, example_args, 0, batch_size_extractor)
-    if batch_size_extractor is not None:
-        check_batch_size(estimator.func, example_args, batch_size)
-    check_loss_is_averaged(loss_fn, _loss_of, example_args, batch_size)
-    if key is not None:
-        _ESTIMATORS[key] = estimator
-        if len(_ESTIMATORS) > _ESTIMATORS_SIZE:
-            _ESTIMATORS.popitem(last=False)
-    return estimator
+    return _ESTIMATORS.get(key, build)
 
 
 def _loss_of(out: Any) -> Any:

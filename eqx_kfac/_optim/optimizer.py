@@ -25,18 +25,17 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 from jax.typing import ArrayLike
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._core import distributed as _distributed
-from .._curvature.estimators.distributed import distributed_update_cache
-from .._curvature.blocks._solver_cache import check_solver_choice
+from .._core.cache import LRUCache
 from .._core.control_flow import select_changed
-from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
+from .._core.tree import abstract_arrays, signature
+from .._curvature.blocks._solver_cache import check_solver_choice
+from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
 from .._curvature.estimators.fallbacks import check_on_unmatched
 from .._curvature.estimators.loss_checks import check_batch_size, check_loss_is_averaged
-from .context import StepContext
 from .damping import AbstractDampingRule
 from .direction import AbstractDirection
 from .hyperparameters import Schedule
@@ -44,18 +43,18 @@ from .refresh import RefreshSchedule, burnin_keys
 from .step_rule import AbstractStepRule
 from .optimizer_compiled import compiled_step, jitted_burnin
 from .optimizer_config import (
-    EstimatorCache,
     OptimizerState as OptimizerState,
-    abstract,
     check_batch,
     check_func_state,
     parts_from_keywords,
-    signature,
 )
-from .._core.tree import all_finite
 
 
 logger = logging.getLogger("eqx_kfac")
+
+# Building the estimators traces the loss: once per configuration and argument signature (the
+# step looks them up at every trace). Kept here, not in the optimizer, which holds no mutable state.
+_ESTIMATORS = LRUCache(maxsize=32)
 
 
 class Optimizer(eqx.Module):
@@ -96,7 +95,6 @@ class Optimizer(eqx.Module):
     donate_optimizer_state: bool = eqx.field(static=True)
     donate_batch_inputs: bool = eqx.field(static=True)
     donate_func_state: bool = eqx.field(static=True)
-    _cache: EstimatorCache = eqx.field(static=True)
 
     def __init__(
         self,
@@ -286,7 +284,6 @@ class Optimizer(eqx.Module):
         self.donate_optimizer_state = donate_optimizer_state
         self.donate_batch_inputs = donate_batch_inputs
         self.donate_func_state = donate_func_state
-        self._cache = EstimatorCache()
 
     # --- configuration helpers --------------------------------------------------------------
 
@@ -331,7 +328,9 @@ class Optimizer(eqx.Module):
         """The curvature estimators for function arguments of this structure and these shapes.
 
         Built (tracing the loss once, and logging the registration report at INFO level on the
-        `"eqx_kfac"` logger) on first use, cached afterwards.
+        `"eqx_kfac"` logger) on first use, and cached afterwards for every optimizer with the same
+        loss and estimator configuration (in a bounded cache outside the optimizer, which holds
+        no mutable state).
 
         **Arguments:**
 
@@ -342,29 +341,28 @@ class Optimizer(eqx.Module):
         `(block_diagonal, implicit_exact)`: the K-FAC estimator and the exact products used by the
         quadratic model.
         """
-        abstract_args = jax.tree.map(abstract, tuple(func_args))
-        key = signature(abstract_args)
-        try:
-            hash(key)
-        except TypeError:
-            key = None
-        if key is not None and key in self._cache.entries:
-            return self._cache.entries[key]
-        kwargs = dict(self.estimator_kwargs)
-        kwargs["layer_tag_to_block_ctor"] = dict(kwargs["layer_tag_to_block_ctor"]) or None
-        block_diagonal = BlockDiagonalCurvature(
-            self.value_func_for_estimator, abstract_args, params_index=0, **kwargs
+        abstract_args = abstract_arrays(tuple(func_args))
+
+        def build() -> tuple[BlockDiagonalCurvature, ImplicitExactCurvature]:
+            kwargs = dict(self.estimator_kwargs)
+            kwargs["layer_tag_to_block_ctor"] = dict(kwargs["layer_tag_to_block_ctor"]) or None
+            block_diagonal = BlockDiagonalCurvature(
+                self.value_func_for_estimator, abstract_args, params_index=0, **kwargs
+            )
+            implicit = ImplicitExactCurvature(
+                self.value_func, params_index=0, batch_size_extractor=self.batch_size_extractor
+            )
+            logger.info(
+                "eqx_kfac.Optimizer: curvature blocks (%d blocks, %d parameters):\n%s",
+                block_diagonal.num_blocks, block_diagonal.dim, block_diagonal.registrations(),
+            )
+            return block_diagonal, implicit
+
+        key = (
+            self.value_func_for_estimator, self.value_func, self.estimator_kwargs,
+            self.batch_size_extractor, signature(abstract_args),
         )
-        implicit = ImplicitExactCurvature(
-            self.value_func, params_index=0, batch_size_extractor=self.batch_size_extractor
-        )
-        logger.info(
-            "eqx_kfac.Optimizer: curvature blocks (%d blocks, %d parameters):\n%s",
-            block_diagonal.num_blocks, block_diagonal.dim, block_diagonal.registrations(),
-        )
-        if key is not None:
-            self._cache.entries[key] = (block_diagonal, implicit)
-        return block_diagonal, implicit
+        return _ESTIMATORS.get(key, build)
 
     # --- init -------------------------------------------------------------------------------
 
@@ -491,133 +489,3 @@ class Optimizer(eqx.Module):
         # A skipped step must leave the state as it was before the burn-in too.
         stats = out[-1]
         return (*out[:1], select_changed(stats["skipped"], original, out[1]), *out[2:])
-
-    # --- the compiled parts -----------------------------------------------------------------
-
-    def _update_curvature(
-        self, params: Any, func_state: Any, batch: Any, estimator_state: EstimatorState,
-        ema_old: Any, key: PRNGKeyArray,
-    ) -> EstimatorState:
-        """One curvature update on the processed `batch` with the step key `key`."""
-        key, func_key = self._keys(key)
-        func_args = self._func_args(params, func_state, func_key, batch)
-        estimator, implicit = self.estimators(func_args)
-        return estimator.update_curvature_matrix_estimate(
-            estimator_state, ema_old, 1.0, implicit.batch_size(func_args), key, func_args,
-            axis_name=self._axis,
-        )
-
-    def _burnin_update(
-        self, params: Any, state: OptimizerState, key: PRNGKeyArray, batch: Any, func_state: Any
-    ) -> OptimizerState:
-        """One burn-in curvature update from a data iterator: summed statistics."""
-        estimator_state = self._update_curvature(
-            params, func_state, self._process(batch), state.estimator_state, 1.0, key
-        )
-        return eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
-
-    def _norms(self, params: Any, grads: Any, direction: Any, delta: Any) -> dict[str, Array]:
-        """The norms asked for by `include_norms_in_stats` (whole vectors) and
-        `include_per_param_norms_in_stats` (per leaf, named `name(path)`)."""
-        trees = dict(
-            param_norm=eqx.filter(params, eqx.is_inexact_array), grad_norm=grads,
-            precon_grad_norm=direction, update_norm=delta,
-        )
-        norms = {}
-        if self.include_norms_in_stats:
-            norms.update({name: optax.tree.norm(tree) for name, tree in trees.items()})
-        if self.include_per_param_norms_in_stats:
-            norms.update({
-                f"{name}({jax.tree_util.keystr(path).lstrip('.')})": jnp.linalg.norm(leaf.reshape(-1))
-                for name, tree in trees.items()
-                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-            })
-        return norms
-
-    def _refresh_cache(self, context: StepContext, identity_weight: Array) -> Callable:
-        """The cache refresh of the step (shared over devices with `distributed_inverses`)."""
-        exact, approx = self.direction.powers_to_cache()
-        if self.multi_device and self.distributed_inverses:
-            return lambda s: distributed_update_cache(
-                context.estimator, s, identity_weight, exact, approx, self._axis
-            )
-        return lambda s: context.estimator.update_cache(s, identity_weight, exact, approx)
-
-    def _step(
-        self,
-        params: Any,
-        state: OptimizerState,
-        rng: PRNGKeyArray,
-        batch: Any,
-        func_state: Any,
-        hyper: tuple[Any, Any, Any],
-        burnin_in_graph: bool,
-    ) -> tuple[Any, ...]:
-        processed = self._process(batch)
-        _, func_rng = self._keys(rng)
-        func_args = self._func_args(params, func_state, func_rng, processed)
-        estimator, implicit = self.estimators(func_args)
-        out, grads = self.value_and_grad_func(*func_args)
-        loss, new_func_state, aux = self._split_outputs(_distributed.pmean(out, self._axis))
-        grads = _distributed.pmean(eqx.filter(grads, eqx.is_inexact_array), self._axis)
-        context = StepContext(
-            state.step_counter, state.data_seen, func_args, loss, grads, estimator,
-            state.estimator_state, implicit, self.estimation_mode, self.l2_reg, self._axis,
-            self.value_func, self._loss_of, hyper,
-        )
-        # Gates on the state, applied where each part is computed so that they fuse with it
-        # (one select over the whole state at the end would copy it in every step).
-        finite = jnp.isfinite(loss) & all_finite(grads) if self.skip_non_finite else None
-
-        damping = self.damping_rule.value(state.damping, context)
-        identity_weight = self.l2_reg + damping
-        estimator_state = self.refresh.update_curvature(
-            state.estimator_state, context.step, finite, rng, burnin_in_graph,
-            lambda s, ema_old, key: self._update_curvature(params, func_state, processed, s, ema_old, key),
-        )
-        # The refresh needs no select of its own (a copy of the whole cache): a failed inverse
-        # keeps its previous value, and so does a block's failed solver factorisation.
-        estimator_state = self.refresh.refresh_inverses(
-            estimator_state, context.step, finite, self._refresh_cache(context, identity_weight)
-        )
-        context = context._replace(estimator_state=estimator_state)
-
-        learning_rate = self.step_rule.fixed_learning_rate(context)
-        direction, direction_stats = self.direction(
-            context, identity_weight, learning_rate, self.refresh.use_cached
-        )
-        delta, velocity, learning_rate, momentum, quad_change = self.step_rule(
-            direction, state.velocities, damping, context
-        )
-        # A non-finite update (e.g. from a failed solve) is skipped like a non-finite gradient.
-        applied = None if finite is None else finite & all_finite(delta)
-        new_params = select_changed(applied, eqx.apply_updates(params, delta), params)
-        new_damping, rho, new_loss, quad_change = self.damping_rule.update(
-            state.damping, damping, quad_change, delta, new_params, context
-        )
-
-        batch_size = _distributed.global_batch_size(implicit.batch_size(func_args), self._axis)
-        new_state = OptimizerState(
-            velocities=velocity, estimator_state=estimator_state, damping=new_damping,
-            data_seen=state.data_seen + batch_size, step_counter=state.step_counter + 1,
-            batch_signature=state.batch_signature,
-        )
-        skipped = jnp.zeros((), bool)
-        if applied is not None:
-            # The estimator state is gated already (the statistics and the refresh by `finite`):
-            # replacing it in `state` leaves nothing to select there.
-            kept = eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
-            new_state = select_changed(applied, new_state, kept)
-            new_func_state = select_changed(finite, new_func_state, func_state)
-            skipped = ~applied
-        stats = dict(
-            step=new_state.step_counter, batch_size=jnp.asarray(batch_size),
-            data_seen=new_state.data_seen, loss=loss, new_loss=new_loss,
-            learning_rate=learning_rate, momentum=momentum, damping=damping, rho=rho,
-            quad_model_change=quad_change, skipped=skipped, **direction_stats,
-            **({} if aux is None else {"aux": aux}),
-            **self._norms(new_params, grads, direction, delta),
-        )
-        if self.value_func_has_state:
-            return new_params, new_state, new_func_state, stats
-        return new_params, new_state, stats

@@ -1,6 +1,6 @@
 """The compiled entry points of `Optimizer.step` (jit, `shard_map`, buffer donation).
 
-`Optimizer.step` calls `compiled_step`, which jits the pure `Optimizer._step` once per argument
+`Optimizer.step` calls `compiled_step`, which jits the pure `step.step_body` once per argument
 structure (Equinox's `filter_jit` cache), runs it under `shard_map` when `multi_device`, and
 donates the argument buffers the optimizer was told to donate (kfac-jax's `donate_parameters`,
 `donate_optimizer_state`, `donate_batch_inputs`, `donate_func_state`). A donated argument's
@@ -15,6 +15,7 @@ from typing import Any
 import equinox as eqx
 
 from .._core import distributed as _distributed
+from .step import burnin_update, step_body
 
 
 # Compilation
@@ -41,7 +42,7 @@ def _maybe_sharded(optimizer: Any, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _run_step(optimizer: Any, args: tuple[Any, ...], burnin_in_graph: bool) -> Any:
-    return _maybe_sharded(optimizer, lambda *a: optimizer._step(*a, burnin_in_graph), *args)
+    return _maybe_sharded(optimizer, lambda *a: step_body(optimizer, *a, burnin_in_graph), *args)
 
 
 @eqx.filter_jit
@@ -57,7 +58,7 @@ def _jitted_donating_step(kept, donated, optimizer, burnin_in_graph):
 
 
 def compiled_step(optimizer: Any, args: tuple[Any, ...], burnin_in_graph: bool) -> Any:
-    """Runs `optimizer._step(*args, burnin_in_graph)` compiled, donating as configured.
+    """Runs `step_body(optimizer, *args, burnin_in_graph)` compiled, donating as configured.
 
     **Arguments:**
 
@@ -79,5 +80,7 @@ def compiled_step(optimizer: Any, args: tuple[Any, ...], burnin_in_graph: bool) 
 
 @eqx.filter_jit
 def jitted_burnin(optimizer, params, state, key, batch, func_state):
-    """One compiled burn-in curvature update (`Optimizer._burnin_update`), never donating."""
-    return _maybe_sharded(optimizer, optimizer._burnin_update, params, state, key, batch, func_state)
+    """One compiled burn-in curvature update (`step.burnin_update`), never donating."""
+    return _maybe_sharded(
+        optimizer, lambda *a: burnin_update(optimizer, *a), params, state, key, batch, func_state
+    )

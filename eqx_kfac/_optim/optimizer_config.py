@@ -1,8 +1,8 @@
 """The configuration side of `Optimizer`: its state, argument checks and small helpers.
 
 Everything here runs in Python at construction or call time (never inside the compiled step):
-checking the constructor's arguments, the step's hyperparameters, function state and batch, and
-the abstract signatures used to cache estimators and to validate batches.
+checking the constructor's arguments, the step's hyperparameters, function state and batch (against
+the signature of the batch given to `init`).
 """
 
 import inspect
@@ -10,12 +10,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
-import jax
 from jaxtyping import Array, Float, Int, PyTree
 
 from .._core import distributed as _distributed
-from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
-from .._curvature.estimators.base import ESTIMATION_MODES
+from .._core.tree import signature
+from .._curvature.estimators import EstimatorState
+from .._curvature.estimators.modes import ESTIMATION_MODES
 from .damping import (
     AbstractDampingRule,
     GivenDamping,
@@ -142,32 +142,6 @@ class OptimizerState(eqx.Module):
     data_seen: Int[Array, ""]
     step_counter: Int[Array, ""]
     batch_signature: Any = eqx.field(static=True)
-
-
-class EstimatorCache:
-    """Estimators built so far, keyed by the abstract signature of the function arguments.
-
-    Building an estimator traces the loss; the cache makes that happen once per signature (and
-    the registration report is logged then). Hashes by identity so the optimizer stays hashable.
-    """
-
-    def __init__(self):
-        self.entries: dict[Any, tuple[BlockDiagonalCurvature, ImplicitExactCurvature]] = {}
-
-
-def abstract(x: Any) -> Any:
-    if eqx.is_array(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return x
-
-
-def signature(tree: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple(
-        (tuple(x.shape), str(x.dtype)) if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-        else ("static", x)
-        for x in leaves
-    ))
 
 
 def describe_signature(signature: Any) -> str:

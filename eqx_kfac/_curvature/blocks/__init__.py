@@ -3,8 +3,8 @@
 from .base import (
     blocks_that_fit as blocks_that_fit,
     CurvatureBlock as CurvatureBlock,
-    WeightedMovingAverage as WeightedMovingAverage,
 )
+from .statistics import WeightedMovingAverage as WeightedMovingAverage
 from .diagonal import (
     DenseDiagonal as DenseDiagonal,
     Diagonal as Diagonal,

@@ -8,7 +8,8 @@ import numpy as np
 from jaxtyping import Array
 
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from .base import CurvatureBlock, sum_to_shape
+from .base import CurvatureBlock
+from .statistics import sum_to_shape
 
 
 def check_dense_spec(block: CurvatureBlock) -> None:

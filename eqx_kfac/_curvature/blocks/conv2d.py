@@ -19,7 +19,8 @@ from jaxtyping import Array
 
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..patches import METHODS, patches_moments
-from .base import CurvatureBlock, outer_from_samples, squares_from_samples, statistics_dtype
+from .base import CurvatureBlock
+from .statistics import outer_from_samples, squares_from_samples, statistics_dtype
 from .diagonal import Diagonal
 from .full import Full
 from .kronecker import KroneckerFactored

@@ -21,6 +21,8 @@ from .base import (
     CurvatureBlock,
     flatten_vector,
     Power,
+)
+from .statistics import (
     squares_from_samples,
     WeightedMovingAverage,
 )

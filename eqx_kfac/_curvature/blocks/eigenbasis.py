@@ -21,9 +21,11 @@ from jaxtyping import Array
 
 from ..curvature_operators import EigenbasisCurvatureOperator
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..linear.operators import kronecker_eigh, KroneckerOperator
+from ..linear.kronecker import kronecker_eigh
+from ..linear.operators import KroneckerOperator
 from ._layer_stats import dense_gradient_samples, dense_layout
-from .base import CurvatureBlock, Power, WeightedMovingAverage
+from .base import CurvatureBlock, Power
+from .statistics import WeightedMovingAverage
 from .conv2d import Conv2DTwoKroneckerFactored, conv_gradient_samples
 from .kronecker import DenseTwoKroneckerFactored, KroneckerFactored, KroneckerLayout
 

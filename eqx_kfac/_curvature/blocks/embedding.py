@@ -14,8 +14,9 @@ from ..curvature_operators import (
     ReshapeLayout,
 )
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..linear.operators import kronecker_eigh
-from .base import CurvatureBlock, power_key, Power, WeightedMovingAverage
+from ..linear.kronecker import kronecker_eigh
+from .base import CurvatureBlock, power_key, Power
+from .statistics import WeightedMovingAverage
 
 
 class EmbeddingState(eqx.Module):

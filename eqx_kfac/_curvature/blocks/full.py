@@ -11,7 +11,7 @@ from jaxtyping import Array, PyTree
 
 from ..curvature_operators import KroneckerCurvatureOperator, ReshapeLayout
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..linear.operators import kronecker_damped_matpower, kronecker_eigh, KroneckerEigh, pi_adjusted_inverse
+from ..linear.kronecker import kronecker_damped_matpower, kronecker_eigh, KroneckerEigh, pi_adjusted_inverse
 from ._layer_stats import (
     check_dense_spec,
     check_scale_and_shift_spec,
@@ -28,9 +28,11 @@ from ._solver_cache import (
 from .base import (
     CurvatureBlock,
     flatten_vector,
-    outer_from_samples,
     Power,
     unflatten_vector,
+)
+from .statistics import (
+    outer_from_samples,
     WeightedMovingAverage,
 )
 

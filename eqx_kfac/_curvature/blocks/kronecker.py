@@ -15,10 +15,12 @@ from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..linear.operators import (
     _kron_vectors,
     apply_factors,
+    KroneckerOperator,
+)
+from ..linear.kronecker import (
     kronecker_damped_matpower,
     kronecker_eigh,
     KroneckerEigh,
-    KroneckerOperator,
     pi_adjusted_inverse,
     refreshed_inverse_factors,
 )
@@ -37,8 +39,8 @@ from .base import (
     CurvatureBlock,
     power_key,
     Power,
-    WeightedMovingAverage,
 )
+from .statistics import WeightedMovingAverage
 
 
 class KroneckerState(eqx.Module):

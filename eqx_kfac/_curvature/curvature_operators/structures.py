@@ -15,8 +15,10 @@ from jaxtyping import Array, Float
 
 from ..linear.operators import (
     _apply_along_axis,
-    _factor_trace,
     _kron_vectors,
+)
+from ..linear.kronecker import (
+    _factor_trace,
     kronecker_eigh,
     pi_adjusted_damped_factors,
 )

@@ -2,11 +2,13 @@
 
 from .base import (
     AbstractCurvatureEstimator as AbstractCurvatureEstimator,
-    ESTIMATION_MODES as ESTIMATION_MODES,
     EstimatorState as EstimatorState,
+    default_batch_size_extractor as default_batch_size_extractor,
+)
+from .modes import ESTIMATION_MODES as ESTIMATION_MODES
+from .registrations import (
     Registration as Registration,
     Registrations as Registrations,
-    default_batch_size_extractor as default_batch_size_extractor,
 )
 from .block_diagonal import (
     BlockDiagonalCurvature as BlockDiagonalCurvature,

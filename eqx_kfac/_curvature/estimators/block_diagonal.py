@@ -26,10 +26,12 @@ from .fallbacks import check_on_unmatched, report_fallbacks
 from .base import (
     AbstractCurvatureEstimator,
     EstimatorState,
+    parameter_layout,
+)
+from .modes import (
     ESTIMATION_MODES,
     check_estimation_mode,
     loss_space_vectors,
-    parameter_layout,
 )
 
 

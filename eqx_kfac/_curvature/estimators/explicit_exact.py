@@ -14,11 +14,13 @@ from ..._tracing.tracer import loss_tags_vjp, trace
 from .base import (
     AbstractCurvatureEstimator,
     EstimatorState,
+    inexact_leaves,
+    parameter_layout,
+)
+from .modes import (
     ESTIMATION_MODES,
     check_estimation_mode,
-    inexact_leaves,
     loss_space_vectors,
-    parameter_layout,
 )
 
 

@@ -10,7 +10,8 @@ from jaxtyping import Array, PyTree
 from ..._core.tree import scale_keeping_dtypes
 from ..._tracing.losses import LossFunction
 from ..._tracing.tracer import loss_tags_hvp, loss_tags_jvp, loss_tags_vjp
-from .base import batch_size_of, check_estimation_mode
+from .base import batch_size_of
+from .modes import check_estimation_mode
 
 
 class ImplicitExactCurvature(eqx.Module):

@@ -17,14 +17,16 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, ArrayLike, Float, Inexact
 
 from ..._core.linalg import eigh
+from .solvers import _damped_kronecker
 from .operators import (
-    _damped_kronecker,
     _kron_vectors,
     _symmetrise,
     BlockDiagonalOperator,
+    KroneckerOperator,
+)
+from .kronecker import (
     kronecker_damped_matpower,
     kronecker_eigh,
-    KroneckerOperator,
     pi_adjusted_inverse,
 )
 
