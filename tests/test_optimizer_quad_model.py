@@ -1,4 +1,4 @@
-"""The quadratic-model and damping math of `_quad_model.py`, against numpy written from the formulas."""
+"""The quadratic-model and damping math of `_optim/quad_model.py`, against numpy written from the formulas."""
 
 import jax
 import jax.numpy as jnp

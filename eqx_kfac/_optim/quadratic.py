@@ -1,6 +1,6 @@
 """The quadratic model of a step, from the exact curvature or from the K-FAC estimate.
 
-The pure algebra (`QuadraticModel`, solving it, Levenberg-Marquardt) lives in `eqx_kfac._quad_model`;
+The pure algebra (`QuadraticModel`, solving it, Levenberg-Marquardt) lives in `eqx_kfac._optim.quad_model`;
 these functions compute a model's curvature products in a step (`StepContext`).
 """
 

@@ -15,14 +15,12 @@ import optax
 from jaxtyping import Array, PRNGKeyArray
 
 from .._core import distributed as _distributed
-from .._curvature.estimators.distributed import distributed_update_cache
 from .._core.control_flow import select_changed
-from .._curvature.estimators import EstimatorState
-from .context import StepContext
-from .optimizer_config import (
-    OptimizerState as OptimizerState,
-)
 from .._core.tree import all_finite
+from .._curvature.estimators import EstimatorState
+from .._curvature.estimators.distributed import distributed_update_cache
+from .context import StepContext
+from .optimizer_config import OptimizerState
 
 
 def update_curvature(

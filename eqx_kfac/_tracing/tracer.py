@@ -3,7 +3,7 @@
 `trace(func, func_args, params_index)` traces `func(*func_args)` once per argument structure,
 shapes and dtypes (cached) into a jaxpr, finds its tags and describes every parameter leaf by a
 `LayerSpec`. The transformations built on it (`loss_tags_vjp`, `loss_tags_jvp`, `loss_tags_hvp`,
-`layer_tags_vjp`) re-evaluate that jaxpr with `_jaxpr_interpreter.eval_jaxpr`, so they are pure
+`layer_tags_vjp`) re-evaluate that jaxpr with `jaxpr_interpreter.eval_jaxpr`, so they are pure
 functions of the arguments, usable inside `jit`, `vmap` and `shard_map`, and never retrace `func`
 for arguments of the same structure.
 

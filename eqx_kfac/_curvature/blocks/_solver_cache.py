@@ -94,7 +94,7 @@ def solver_takes_inverse(
 def _full_state(
     solver: lx.AbstractLinearSolver, factors: Sequence[Array], identity_weight: ArrayLike
 ) -> PyTree[Any]:
-    limit_lapack_threads()  # the solver may factorise through LAPACK (see `eqx_kfac._linalg`)
+    limit_lapack_threads()  # the solver may factorise through LAPACK (see `eqx_kfac._core.linalg`)
     return solver.init(damped_kronecker(factors, identity_weight), {})
 
 

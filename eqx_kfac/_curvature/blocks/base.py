@@ -130,7 +130,7 @@ class CurvatureBlock(eqx.Module):
     - optionally override `_check_spec()` to raise `ValueError` for specs it cannot handle
       (called after `supported_tags` is checked);
     - implement the per-slice private methods listed in the module docstring of
-      `eqx_kfac._blocks.base`. They see one ordinary layer: `vector`s are tuples shaped like
+      `eqx_kfac._curvature.blocks.base`. They see one ordinary layer: `vector`s are tuples shaped like
       `spec.param_shapes`, `EstimationData` fields have no stack axis, eigenvalues are flat
       arrays of length `slice_dim`, and `_to_dense` is `(slice_dim, slice_dim)`.
 
@@ -194,7 +194,7 @@ class CurvatureBlock(eqx.Module):
 
         With `one_slice_at_a_time`, the slices are visited in a loop (`lax.map`) instead: a
         lineax solver's factorisations would otherwise become batched LAPACK calls, which can
-        deadlock XLA's CPU thread pool (see `eqx_kfac._linalg`). Arguments that are not PyTrees
+        deadlock XLA's CPU thread pool (see `eqx_kfac._core.linalg`). Arguments that are not PyTrees
         of arrays with a leading stack axis must be closed over.
         """
         if self.spec.stack_size is None:

@@ -216,7 +216,7 @@ class StackedCurvatureOperator(AbstractCurvatureOperator):
     `slices` is a slice operator whose every array leaf carries a leading stack axis (as
     `jax.vmap` returns it): one independent block per slice, so the operator is block diagonal
     over the slices and every function is the slices' (vmapped; eigendecompositions run one
-    matrix at a time, see `eqx_kfac._linalg`). It acts on the stacked parameters, whose leaves
+    matrix at a time, see `eqx_kfac._core.linalg`). It acts on the stacked parameters, whose leaves
     carry the stack axis first.
 
     **Fields:**

@@ -232,7 +232,7 @@ def pi_adjusted_damped_factors(
 # Leaves are at most this size. A multi-threaded OpenBLAS starts its own threads for triangular
 # solves from 32 rows on, which spin and take cores from XLA (a refresh with 256-row leaves took
 # 150 ms inside the step against 90 ms alone); with LAPACK's BLAS on one thread (see
-# `eqx_kfac._linalg`) larger leaves are as fast, and the unrolled recursion, whose size is the
+# `eqx_kfac._core.linalg`) larger leaves are as fast, and the unrolled recursion, whose size is the
 # number of leaves, compiles in a fraction of the time (measured on the 16 factors of a
 # 784-1000-500-250-30 autoencoder: 31-row leaves 21.5 s, 255-row leaves 3.7 s, 128 against 121 ms).
 _BLOCK_INVERSE_LEAF = 255

@@ -1,7 +1,7 @@
 """Losses on logits: independent Bernoulli outputs and categorical distributions."""
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -9,6 +9,34 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Real
 
 from .base import _AbstractFisherAsGGNLoss, _apply_mask, _as_scalar, _check_inputs, _check_shape
+
+
+def _set_fields(
+    loss: Any,
+    logits: Array,
+    targets: Array | None,
+    mask: Array | None,
+    weight: Real[ArrayLike, ""],
+    targets_per_class: bool,
+    mask_per_class: bool,
+) -> None:
+    """Checks and sets the fields of a logits loss being initialised.
+
+    `targets` and `mask` are shaped like `logits` when `*_per_class`, like `logits.shape[:-1]`
+    (one per example) otherwise.
+    """
+    name = type(loss).__name__
+    _check_inputs(logits, "logits", name)
+    fields = (("targets", targets, targets_per_class), ("mask", mask, mask_per_class))
+    for field, value, per_class in fields:
+        if per_class:
+            _check_shape(name, field, value, logits.shape, "logits.shape")
+        else:
+            _check_shape(name, field, value, logits.shape[:-1], "logits.shape[:-1]")
+    loss.logits = logits
+    loss.targets = targets
+    loss.mask = mask
+    loss.weight = _as_scalar(weight, "weight")
 
 
 class MultiBernoulliNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
@@ -40,14 +68,7 @@ class MultiBernoulliNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
         weight: Real[ArrayLike, ""] = 1.0,
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
-        name = type(self).__name__
-        _check_inputs(logits, "logits", name)
-        _check_shape(name, "targets", targets, logits.shape, "logits.shape")
-        _check_shape(name, "mask", mask, logits.shape, "logits.shape")
-        self.logits = logits
-        self.targets = targets
-        self.mask = mask
-        self.weight = _as_scalar(weight, "weight")
+        _set_fields(self, logits, targets, mask, weight, targets_per_class=True, mask_per_class=True)
 
     input_fields: ClassVar[tuple[str, ...]] = ("logits",)
 
@@ -152,14 +173,7 @@ class CategoricalLogitsNegativeLogProbLoss(_AbstractCategoricalLoss):
         weight: Real[ArrayLike, ""] = 1.0,
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
-        name = type(self).__name__
-        _check_inputs(logits, "logits", name)
-        _check_shape(name, "targets", targets, logits.shape[:-1], "logits.shape[:-1]")
-        _check_shape(name, "mask", mask, logits.shape[:-1], "logits.shape[:-1]")
-        self.logits = logits
-        self.targets = targets
-        self.mask = mask
-        self.weight = _as_scalar(weight, "weight")
+        _set_fields(self, logits, targets, mask, weight, targets_per_class=False, mask_per_class=False)
 
     def evaluate_unweighted(self, targets: Array) -> Array:
         picked = jnp.take_along_axis(self._log_probs(), targets[..., None], axis=-1)
@@ -196,14 +210,7 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(_AbstractCategoricalLoss):
         weight: Real[ArrayLike, ""] = 1.0,
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
-        name = type(self).__name__
-        _check_inputs(logits, "logits", name)
-        _check_shape(name, "targets", targets, logits.shape, "logits.shape")
-        _check_shape(name, "mask", mask, logits.shape[:-1], "logits.shape[:-1]")
-        self.logits = logits
-        self.targets = targets
-        self.mask = mask
-        self.weight = _as_scalar(weight, "weight")
+        _set_fields(self, logits, targets, mask, weight, targets_per_class=True, mask_per_class=False)
 
     def evaluate_unweighted(self, targets: Array) -> Array:
         per_class = -targets.astype(self.dtype) * self._log_probs()
