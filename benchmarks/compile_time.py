@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 import eqx_kfac
-from eqx_kfac._optimizer_compiled import _run_step
+from eqx_kfac._optim.optimizer_compiled import _run_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,8 +18,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_kfac._estimators import BlockDiagonalCurvature
-from eqx_kfac._losses import register_sigmoid_cross_entropy_loss
+from eqx_kfac._curvature.estimators import BlockDiagonalCurvature
+from eqx_kfac._tracing.losses import register_sigmoid_cross_entropy_loss
 
 from _tanh_mlp import TanhMLP
 

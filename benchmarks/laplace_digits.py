@@ -21,7 +21,7 @@ import optax
 from sklearn.datasets import load_digits
 
 import eqx_kfac
-from eqx_kfac._kfac_operator import kfac_linear_operator
+from eqx_kfac._curvature.kfac_operator import kfac_linear_operator
 
 
 SIZES = (64, 64, 10)

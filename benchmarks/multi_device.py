@@ -29,9 +29,9 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from eqx_kfac._distributed import data_mesh  # noqa: E402
-from eqx_kfac._losses import register_softmax_cross_entropy_loss  # noqa: E402
-from eqx_kfac._optimizer import Optimizer  # noqa: E402
+from eqx_kfac._core.distributed import data_mesh  # noqa: E402
+from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss  # noqa: E402
+from eqx_kfac._optim.optimizer import Optimizer  # noqa: E402
 
 from _tanh_mlp import TanhMLP  # noqa: E402
 

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import optax
 
 import eqx_kfac
-from eqx_kfac import _optimizer_compiled
+from eqx_kfac._optim import optimizer_compiled as _optimizer_compiled
 
 try:
     import resource

@@ -1,6 +1,6 @@
 """eqx_kfac: K-FAC second-order optimization and curvature estimation for JAX and Equinox."""
 
-from ._blocks import (
+from ._curvature.blocks import (
     AbstractEigenbasisKFAC as AbstractEigenbasisKFAC,
     Conv2DDiagonal as Conv2DDiagonal,
     Conv2DEigenbasisKFAC as Conv2DEigenbasisKFAC,
@@ -23,8 +23,8 @@ from ._blocks import (
     ScaleAndShiftFull as ScaleAndShiftFull,
     ScaledIdentity as ScaledIdentity,
 )
-from ._custom_loss import CustomLoss as CustomLoss, register_custom_loss as register_custom_loss
-from ._curvature_operators import (
+from ._tracing.losses.custom import CustomLoss as CustomLoss, register_custom_loss as register_custom_loss
+from ._curvature.curvature_operators import (
     AbstractCurvatureOperator as AbstractCurvatureOperator,
     AbstractParameterLayout as AbstractParameterLayout,
     AbstractSliceCurvatureOperator as AbstractSliceCurvatureOperator,
@@ -35,7 +35,7 @@ from ._curvature_operators import (
     ScaledIdentityCurvatureOperator as ScaledIdentityCurvatureOperator,
     StackedCurvatureOperator as StackedCurvatureOperator,
 )
-from ._estimators import (
+from ._curvature.estimators import (
     AbstractCurvatureEstimator as AbstractCurvatureEstimator,
     BlockDiagonalCurvature as BlockDiagonalCurvature,
     default_batch_size_extractor as default_batch_size_extractor,
@@ -47,17 +47,17 @@ from ._estimators import (
     Registration as Registration,
     Registrations as Registrations,
 )
-from ._graph_matcher import (
+from ._tracing.graph_matcher import (
     DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS,
     GraphPattern as GraphPattern,
     auto_register_tags as auto_register_tags,
 )
-from ._kfac_operator import (
+from ._curvature.kfac_operator import (
     kfac_linear_operator as kfac_linear_operator,
     KFACLinearOperator as KFACLinearOperator,
 )
-from ._layer_data import EstimationData as EstimationData, LayerSpec as LayerSpec
-from ._losses import (
+from ._tracing.layer_data import EstimationData as EstimationData, LayerSpec as LayerSpec
+from ._tracing.losses import (
     CategoricalLogitsNegativeLogProbLoss as CategoricalLogitsNegativeLogProbLoss,
     LossFunction as LossFunction,
     MultiBernoulliNegativeLogProbLoss as MultiBernoulliNegativeLogProbLoss,
@@ -72,19 +72,23 @@ from ._losses import (
     register_softmax_cross_entropy_loss as register_softmax_cross_entropy_loss,
     register_squared_error_loss as register_squared_error_loss,
 )
-from ._operators import (
+from ._curvature.linear.operators import (
     BlockDiagonalOperator as BlockDiagonalOperator,
+    KroneckerOperator as KroneckerOperator,
+)
+from ._curvature.linear.kronecker import (
     kronecker_damped_matpower as kronecker_damped_matpower,
     kronecker_damped_solve as kronecker_damped_solve,
     kronecker_eigh as kronecker_eigh,
-    KroneckerEigenSolver as KroneckerEigenSolver,
     KroneckerEigh as KroneckerEigh,
-    KroneckerOperator as KroneckerOperator,
-    KroneckerPiAdjustedSolver as KroneckerPiAdjustedSolver,
     pi_adjusted_damped_factors as pi_adjusted_damped_factors,
     pi_adjusted_inverse as pi_adjusted_inverse,
 )
-from ._spectral import (
+from ._curvature.linear.solvers import (
+    KroneckerEigenSolver as KroneckerEigenSolver,
+    KroneckerPiAdjustedSolver as KroneckerPiAdjustedSolver,
+)
+from ._curvature.linear.spectral import (
     eigenvalues as eigenvalues,
     frobenius_norm as frobenius_norm,
     logdet as logdet,
@@ -113,27 +117,27 @@ from ._optim.quadratic import (
     exact_quadratic_model as exact_quadratic_model,
 )
 from ._optim.refresh import RefreshSchedule as RefreshSchedule
-from ._quad_model import (
+from ._optim.quad_model import (
     QuadraticModel as QuadraticModel,
     solve_quadratic_model as solve_quadratic_model,
 )
 from ._optim.step_rule import AbstractStepRule as AbstractStepRule, MomentumStep as MomentumStep
-from ._optimizer import Optimizer as Optimizer, OptimizerState as OptimizerState
-from ._optax import (
+from ._optim.optimizer import Optimizer as Optimizer, OptimizerState as OptimizerState
+from ._optim.optax import (
     kfac_optax as kfac_optax,
     kfac_preconditioner as kfac_preconditioner,
     KFACPreconditionerState as KFACPreconditionerState,
 )
-from ._patches import (
+from ._curvature.patches import (
     patches_moments as patches_moments,
     patches_moments_explicit as patches_moments_explicit,
 )
-from ._solvers import (
+from ._curvature.solvers import (
     damped_block_operator as damped_block_operator,
     solve as solve,
     solve_block as solve_block,
 )
-from ._tags import (
+from ._tracing.tags import (
     embedding_tag as embedding_tag,
     LayerTag as LayerTag,
     LossTag as LossTag,
@@ -143,7 +147,7 @@ from ._tags import (
     register_generic as register_generic,
     register_scale_and_shift as register_scale_and_shift,
 )
-from ._tracer import (
+from ._tracing.tracer import (
     layer_tags_vjp as layer_tags_vjp,
     loss_tags_hvp as loss_tags_hvp,
     loss_tags_jvp as loss_tags_jvp,

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from eqx_kfac._losses import (
+from eqx_kfac._tracing.losses import (
     LossFunction,
     register_sigmoid_cross_entropy_loss,
     register_softmax_cross_entropy_loss,
     register_squared_error_loss,
 )
-from eqx_kfac._tags import loss_tag, register_dense
+from eqx_kfac._tracing.tags import loss_tag, register_dense
 
 
 class MLP(eqx.Module):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from eqx_kfac._control_flow import apply_if, periodic
+from eqx_kfac._core.control_flow import apply_if, periodic
 
 
 def _refresh(tree):

@@ -30,7 +30,7 @@ def _mlp(key):
 
 
 def _loss(model, batch):
-    from eqx_kfac._losses import register_softmax_cross_entropy_loss
+    from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss
 
     x, y = batch
     logits = jax.vmap(lambda v: model[1](jnp.tanh(model[0](v))))(x)
@@ -52,7 +52,7 @@ def _flat(tree):
 
 
 def _optimizer(mode, setting, **kwargs):
-    from eqx_kfac._optimizer import Optimizer
+    from eqx_kfac._optim.optimizer import Optimizer
 
     ctor = ADAPTIVE if setting == "adaptive" else {}
     return Optimizer(
@@ -85,7 +85,7 @@ def _worker(process_id: int, port: int, out_path: str) -> None:
     jax.distributed.initialize(
         coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id
     )
-    from eqx_kfac._distributed import data_mesh
+    from eqx_kfac._core.distributed import data_mesh
 
     mesh = data_mesh("kfac_axis")
     model, (x, y) = _problem()
@@ -114,13 +114,13 @@ if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
 import pytest  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec  # noqa: E402
 
-from eqx_kfac._distributed import (  # noqa: E402
+from eqx_kfac._core.distributed import (  # noqa: E402
     assign_blocks,
     block_cost,
     data_mesh,
     fold_in_device,
 )
-from eqx_kfac._estimators import BlockDiagonalCurvature  # noqa: E402
+from eqx_kfac._curvature.estimators import BlockDiagonalCurvature  # noqa: E402
 
 
 def _assert_same_update(model, single, multi):

@@ -17,9 +17,9 @@ from jax import lax
 from jax.extend.core import Var
 
 from eqx_kfac import BlockDiagonalCurvature
-from eqx_kfac._graph_matcher import DEFAULT_GRAPH_PATTERNS, GraphPattern, auto_register_tags
-from eqx_kfac._losses import register_squared_error_loss
-from eqx_kfac._tags import (
+from eqx_kfac._tracing.graph_matcher import DEFAULT_GRAPH_PATTERNS, GraphPattern, auto_register_tags
+from eqx_kfac._tracing.losses import register_squared_error_loss
+from eqx_kfac._tracing.tags import (
     LayerTag,
     layer_tag_of,
     register_conv2d,

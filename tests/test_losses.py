@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.scipy.stats import norm
 
-import eqx_kfac._losses as L
-import eqx_kfac._tags as tags
+import eqx_kfac._tracing.losses as L
+from eqx_kfac._tracing import tags
 
 KINDS = ["normal", "squared_error", "normal_mean_variance", "bernoulli", "categorical", "one_hot"]
 MASKABLE = {"bernoulli", "categorical", "one_hot"}

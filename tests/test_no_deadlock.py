@@ -1,7 +1,7 @@
 """No batched LAPACK call anywhere in the library's compiled code (they can deadlock XLA on CPU).
 
 jaxlib's batched LAPACK kernels wait on XLA's CPU thread pool for their chunks; when as many of them
-run at once as the pool has threads, the program hangs (see `eqx_kfac._linalg`). The library
+run at once as the pool has threads, the program hangs (see `eqx_kfac._core.linalg`). The library
 therefore makes one LAPACK call per matrix. The reference here is the lowered program itself:
 every LAPACK custom call in it must have `num_batch_dims = "0"`, whatever vmaps and scans surround
 it. The last test runs the scan-over-layers model that hung, in a fresh process with a time limit,
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import eqx_kfac
-from eqx_kfac._linalg import eigh, spd_inverse
+from eqx_kfac._core.linalg import eigh, spd_inverse
 
 
 _LAPACK = re.compile(r'custom_call @(lapack_\w+|blas_\w+)\(.*?num_batch_dims = "(\d+)"')

@@ -1,4 +1,4 @@
-"""Tests for `eqx_kfac._operators` against dense numpy references.
+"""Tests for `eqx_kfac._curvature.linear` against dense numpy references.
 
 Random PSD factors are built as `Q diag(s) Qᵀ` with controlled eigenvalues `s`, so each test can
 state the conditioning its tolerance relies on.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from eqx_kfac import _operators as O, _spectral as S
+from eqx_kfac._curvature.linear import kronecker as KR, operators as O, solvers as LS, spectral as S
 
 
 PSD = lx.positive_semidefinite_tag
@@ -182,7 +182,7 @@ def test_damped_exact_solve_inverts_kron_plus_damping(seed, ns, damping):
     op = O.KroneckerOperator(factors, PSD)
     v = rng.normal(size=tuple(ns))
     dense = _dense_kron(factors) + damping * np.eye(v.size)
-    x = np.asarray(O.kronecker_damped_solve(op, jnp.asarray(v), damping)).ravel()
+    x = np.asarray(KR.kronecker_damped_solve(op, jnp.asarray(v), damping)).ravel()
     if v.size == 0:
         assert x.shape == (0,)
         return
@@ -195,10 +195,10 @@ def test_damped_exact_solve_inverts_kron_plus_damping(seed, ns, damping):
     cond = np.linalg.cond(dense)
     assert _rel(x, np.linalg.solve(dense, v.ravel())) <= max(1e-8, 1e-13 * cond)
     # Precomputed eigendecompositions give the same result, as does lineax with our solver.
-    eigh = O.kronecker_eigh(op)
-    np.testing.assert_allclose(O.kronecker_damped_solve(eigh, jnp.asarray(v), damping).ravel(), x, rtol=1e-12, atol=0)
+    eigh = KR.kronecker_eigh(op)
+    np.testing.assert_allclose(KR.kronecker_damped_solve(eigh, jnp.asarray(v), damping).ravel(), x, rtol=1e-12, atol=0)
     damped = op + damping * lx.IdentityLinearOperator(op.in_structure())
-    via_lineax = lx.linear_solve(damped, jnp.asarray(v), solver=O.KroneckerEigenSolver()).value
+    via_lineax = lx.linear_solve(damped, jnp.asarray(v), solver=LS.KroneckerEigenSolver()).value
     np.testing.assert_allclose(np.asarray(via_lineax).ravel(), x, rtol=1e-12, atol=0)
 
 
@@ -210,9 +210,9 @@ def test_damped_powers_compose(seed, ns, damping, p, q):
     # r^(|p|+|q|) <= 64^3 ≈ 2.6e5 relative to the result, i.e. ~1e-10 at double precision.
     op, factors = _kron_op(rng, ns, low=np.log10(0.5), high=np.log10(2.0))
     v = jnp.asarray(rng.normal(size=tuple(ns)))
-    eigh = O.kronecker_eigh(op)
-    both = O.kronecker_damped_matpower(eigh, O.kronecker_damped_matpower(eigh, v, damping, p), damping, q)
-    once = O.kronecker_damped_matpower(op, v, damping, p + q)
+    eigh = KR.kronecker_eigh(op)
+    both = KR.kronecker_damped_matpower(eigh, KR.kronecker_damped_matpower(eigh, v, damping, p), damping, q)
+    once = KR.kronecker_damped_matpower(op, v, damping, p + q)
     if v.size == 0:
         return
     assert _rel(both, once) <= 1e-8
@@ -231,7 +231,7 @@ def test_damped_solve_under_jit_and_grad_matches_dense():
     @jax.jit
     def solve(factors, damping):
         damped = O.KroneckerOperator(factors, PSD) + damping * lx.IdentityLinearOperator(structure)
-        return jnp.sum(lx.linear_solve(damped, v, solver=O.KroneckerEigenSolver()).value ** 2)
+        return jnp.sum(lx.linear_solve(damped, v, solver=LS.KroneckerEigenSolver()).value ** 2)
 
     def dense_solve(damping):
         return jnp.sum(jnp.linalg.solve(dense + damping * jnp.eye(6), v.ravel()) ** 2)
@@ -245,25 +245,25 @@ def test_solver_rejects_other_operators_and_wrong_shapes():
     structure = op.in_structure()
     with pytest.raises(ValueError, match="positive_semidefinite_tag"):
         lx.linear_solve(
-            op + lx.IdentityLinearOperator(structure), jnp.ones(2), solver=O.KroneckerEigenSolver()
+            op + lx.IdentityLinearOperator(structure), jnp.ones(2), solver=LS.KroneckerEigenSolver()
         )
     psd = O.KroneckerOperator([jnp.eye(2)], PSD)
     with pytest.raises(ValueError, match="KroneckerPiAdjustedSolver"):
         lx.linear_solve(
             psd + lx.MatrixLinearOperator(jnp.eye(2)), jnp.ones(2),
-            solver=O.KroneckerPiAdjustedSolver(),
+            solver=LS.KroneckerPiAdjustedSolver(),
         )
     with pytest.raises(ValueError, match="one axis per factor"):
-        O.kronecker_damped_solve(psd, jnp.ones(3), 1.0)
+        KR.kronecker_damped_solve(psd, jnp.ones(3), 1.0)
     # A scaled K has no known sign under lineax's tracing; the damping may be written freely.
     with pytest.raises(ValueError, match="unscaled"):
         lx.linear_solve(
             2.0 * psd + lx.IdentityLinearOperator(structure), jnp.ones(2),
-            solver=O.KroneckerEigenSolver(),
+            solver=LS.KroneckerEigenSolver(),
         )
     identity = lx.IdentityLinearOperator(structure)
     damped = psd - (identity * 0.5) / 2.0 + identity
-    x = lx.linear_solve(damped, jnp.ones(2), solver=O.KroneckerEigenSolver()).value
+    x = lx.linear_solve(damped, jnp.ones(2), solver=LS.KroneckerEigenSolver()).value
     np.testing.assert_allclose(x, jnp.ones(2) / 1.75, rtol=1e-12)
 
 
@@ -281,12 +281,12 @@ def test_pi_adjusted_two_factors_equals_closed_form(seed, n_a, n_g, damping):
     closed = np.kron(np.linalg.inv(a + pi * np.sqrt(damping) * np.eye(n_a)),
                      np.linalg.inv(g + np.sqrt(damping) / pi * np.eye(n_g)))
     op = O.KroneckerOperator([jnp.asarray(a), jnp.asarray(g)], PSD)
-    approx = O.pi_adjusted_inverse(op, damping)
+    approx = KR.pi_adjusted_inverse(op, damping)
     # Each damped factor has eigenvalues >= min(eig) + damping share >= ~1e-5, cond <= ~1e6:
     # inverses are accurate to ~1e-10 relative.
     assert _rel(approx.as_matrix(), closed) <= 1e-8
     damped = op + damping * lx.IdentityLinearOperator(op.in_structure())
-    via_lineax = lx.linear_solve(damped, jnp.asarray(v), solver=O.KroneckerPiAdjustedSolver()).value
+    via_lineax = lx.linear_solve(damped, jnp.asarray(v), solver=LS.KroneckerPiAdjustedSolver()).value
     assert _rel(via_lineax, closed @ v.ravel()) <= 1e-8
 
 
@@ -307,11 +307,11 @@ def test_pi_adjusted_k_factors_equals_closed_form(seed, ns, damping):
                                        for i in range(len(ns))])
     else:
         closed = np.array([[scalar + damping]])
-    damped = O.pi_adjusted_damped_factors([jnp.asarray(f) for f in factors], damping)
+    damped = KR.pi_adjusted_damped_factors([jnp.asarray(f) for f in factors], damping)
     assert _rel(_dense_kron(damped), closed) <= 1e-10
-    inverse = O.pi_adjusted_inverse([jnp.asarray(f) for f in factors], damping)
+    inverse = KR.pi_adjusted_inverse([jnp.asarray(f) for f in factors], damping)
     assert _rel(inverse.as_matrix(), np.linalg.inv(closed)) <= 1e-8
-    powered = O.pi_adjusted_inverse([jnp.asarray(f) for f in factors], damping, power=0.5)
+    powered = KR.pi_adjusted_inverse([jnp.asarray(f) for f in factors], damping, power=0.5)
     vals, vecs = np.linalg.eigh(closed)
     assert _rel(powered.as_matrix(), (vecs * np.sqrt(vals)) @ vecs.T) <= 1e-8
 
@@ -320,11 +320,11 @@ def test_pi_adjusted_zero_factor_and_single_large_factor_are_exact():
     rng = np.random.default_rng(2)
     g = _psd(rng, 3)
     # A zero factor makes the product zero: the approximation is λ I, exactly.
-    inverse = O.pi_adjusted_inverse([jnp.zeros((2, 2)), jnp.asarray(g)], 0.5)
+    inverse = KR.pi_adjusted_inverse([jnp.zeros((2, 2)), jnp.asarray(g)], 0.5)
     np.testing.assert_allclose(inverse.as_matrix(), np.eye(6) / 0.5, rtol=1e-12)
     assert np.all(np.isfinite(inverse.as_matrix()))
     # A 1x1 factor only scales the other one, so the damped product is exact.
-    inverse = O.pi_adjusted_inverse([jnp.asarray([[3.0]]), jnp.asarray(g)], 0.5)
+    inverse = KR.pi_adjusted_inverse([jnp.asarray([[3.0]]), jnp.asarray(g)], 0.5)
     np.testing.assert_allclose(inverse.as_matrix(), np.linalg.inv(3 * g + 0.5 * np.eye(3)), rtol=1e-10)
 
 
@@ -335,7 +335,7 @@ def test_singular_damped_factor_falls_back_to_finite_inverse():
     # λ = 0 with a rank-deficient factor: Cholesky breaks down; the eigh fallback floors the
     # zero eigenvalue instead, giving a finite generalised inverse (A X A = A).
     a = np.array([[1.0, 1.0], [1.0, 1.0]])
-    inverse = O.pi_adjusted_inverse([jnp.asarray(a)], 0.0).factors[0]
+    inverse = KR.pi_adjusted_inverse([jnp.asarray(a)], 0.0).factors[0]
     assert np.all(np.isfinite(inverse))
     np.testing.assert_allclose(a @ np.asarray(inverse) @ a, a, atol=1e-8)
 
@@ -351,15 +351,15 @@ def test_refreshed_inverse_factors_equal_pi_adjusted_inverse_or_keep_the_previou
     damping = 0.0 if singular else 0.3
     previous = [jnp.full((40, 40), 7.0), jnp.full((5, 5), 8.0)]
     if singular:
-        assert not np.all(np.isfinite(np.asarray(O._block_spd_inverse(factors[0]))))
-    expected = O.pi_adjusted_inverse(factors, damping).factors
-    got = jax.jit(O.refreshed_inverse_factors)(factors, damping, previous)
+        assert not np.all(np.isfinite(np.asarray(KR._block_spd_inverse(factors[0]))))
+    expected = KR.pi_adjusted_inverse(factors, damping).factors
+    got = jax.jit(KR.refreshed_inverse_factors)(factors, damping, previous)
     np.testing.assert_allclose(got[0], previous[0] if singular else expected[0], rtol=1e-8)
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-8, atol=1e-10 * np.abs(expected[1]).max())
 
 
 def test_non_finite_eigh_is_retried(monkeypatch):
-    real_eigh = O.eigh
+    real_eigh = KR.eigh
     calls = []
 
     def flaky_eigh(matrix):
@@ -369,10 +369,10 @@ def test_non_finite_eigh_is_retried(monkeypatch):
             return vals * jnp.nan, vecs
         return vals, vecs
 
-    monkeypatch.setattr(O, "eigh", flaky_eigh)
+    monkeypatch.setattr(KR, "eigh", flaky_eigh)
     rng = np.random.default_rng(3)
     f = _psd(rng, 3, low=-1.0)
-    eigh = O.kronecker_eigh([jnp.asarray(f)])
+    eigh = KR.kronecker_eigh([jnp.asarray(f)])
     # Without the retry the eigenvalues would be NaN. (The retry branch may come from JAX's
     # compilation cache, so the number of calls is not checked.)
     assert calls
@@ -439,7 +439,7 @@ def test_block_spd_inverse_matches_numpy(seed, n):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, n + 3))
     matrix = x @ x.T / n + 1e-2 * np.eye(n)
-    inverse = O.pi_adjusted_inverse([jnp.asarray(matrix)], 0.0).factors[0]
+    inverse = KR.pi_adjusted_inverse([jnp.asarray(matrix)], 0.0).factors[0]
     np.testing.assert_allclose(np.asarray(inverse) @ matrix, np.eye(n), atol=1e-9)
     np.testing.assert_allclose(inverse, np.linalg.inv(matrix), rtol=1e-8, atol=1e-10)
 
@@ -449,8 +449,8 @@ def test_inverse_of_large_singular_matrix_falls_back_to_floored_eigenvalues():
     # recursion, and the floored eigendecomposition gives a generalised inverse (A X A = A).
     x = np.random.default_rng(0).standard_normal((300, 5))
     a = x @ x.T
-    assert not np.all(np.isfinite(np.asarray(O._block_spd_inverse(jnp.asarray(a)))))
-    inverse = np.asarray(O.pi_adjusted_inverse([jnp.asarray(a)], 0.0).factors[0])
+    assert not np.all(np.isfinite(np.asarray(KR._block_spd_inverse(jnp.asarray(a)))))
+    inverse = np.asarray(KR.pi_adjusted_inverse([jnp.asarray(a)], 0.0).factors[0])
     assert np.all(np.isfinite(inverse))
     np.testing.assert_allclose(inverse, inverse.T, atol=1e-10 * np.abs(inverse).max())
     assert np.linalg.eigvalsh(inverse).min() > 0

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from models import mlp_classification
 
-from eqx_kfac._optimizer import Optimizer
+from eqx_kfac._optim.optimizer import Optimizer
 
 # One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
 pytestmark = pytest.mark.xdist_group("test_optimizer_errors")

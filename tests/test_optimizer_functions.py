@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from models import mlp_classification
 
-from eqx_kfac._losses import register_softmax_cross_entropy_loss
-from eqx_kfac._optimizer import Optimizer
+from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss
+from eqx_kfac._optim.optimizer import Optimizer
 
 
 FIXED = dict(learning_rate=0.1, momentum=0.9, damping=0.01)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from models import mlp_classification
 
-from eqx_kfac._blocks import DenseFull
-from eqx_kfac._optimizer import Optimizer
+from eqx_kfac._curvature.blocks import DenseFull
+from eqx_kfac._optim.optimizer import Optimizer
 
 
 PROBLEM = mlp_classification(jax.random.key(0), sizes=(3, 4, 3), batch=5)

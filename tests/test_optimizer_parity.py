@@ -20,8 +20,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "reference"))
 from twins import load, mlp_twin, softmax_cross_entropy, to_eqx_layout  # noqa: E402
 
-from eqx_kfac._losses import register_softmax_cross_entropy_loss  # noqa: E402
-from eqx_kfac._optimizer import Optimizer  # noqa: E402
+from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss  # noqa: E402
+from eqx_kfac._optim.optimizer import Optimizer  # noqa: E402
 
 
 FIXTURE = load("optimizer_mlp")

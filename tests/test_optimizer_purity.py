@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from models import mlp_classification
 
-from eqx_kfac._optimizer import Optimizer
+from eqx_kfac._optim.optimizer import Optimizer
 
 
 PROBLEM = mlp_classification(jax.random.key(0))
@@ -109,7 +109,12 @@ def test_without_skipping_non_finite_values_propagate():
 
 
 def test_registration_report_is_logged_once(caplog):
-    opt = Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=0.0)
+    # The estimators are cached per loss function, configuration and signature, across optimizers
+    # (other tests build them for PROBLEM.loss_fn): a loss of its own is built here first.
+    def loss_fn(*args):
+        return PROBLEM.loss_fn(*args)
+
+    opt = Optimizer(eqx.filter_value_and_grad(loss_fn), l2_reg=0.0)
     with caplog.at_level(logging.INFO, logger="eqx_kfac"):
         opt.init(PROBLEM.params, jax.random.key(0), BATCH)
         opt.init(PROBLEM.params, jax.random.key(1), BATCH)
@@ -159,3 +164,15 @@ def test_donating_step_equals_plain_step_and_consumes_its_arguments():
         params, state, _ = donating.step(params, state, jax.random.key(i), batch=BATCH)
         assert donated_leaf.is_deleted()
     _assert_trees_equal((params, state), expected)
+
+
+def test_optimizer_holds_no_mutable_state():
+    # Equal configurations give equal optimizers (no per-instance cache), which share their
+    # estimators.
+    def make():
+        return Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=0.0)
+
+    first, second = make(), make()
+    assert bool(first == second)
+    func_args = (PROBLEM.params, BATCH)
+    assert first.estimators(func_args)[0] is second.estimators(func_args)[0]

@@ -1,4 +1,4 @@
-"""The quadratic-model and damping math of `_quad_model.py`, against numpy written from the formulas."""
+"""The quadratic-model and damping math of `_optim/quad_model.py`, against numpy written from the formulas."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from eqx_kfac._quad_model import (
+from eqx_kfac._core.tree import all_finite
+from eqx_kfac._optim.quad_model import (
     QuadraticModel,
-    all_finite,
     gram_matrix,
     levenberg_marquardt_damping,
     norm_constraint_scale,

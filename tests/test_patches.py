@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from eqx_kfac import _patches
-from eqx_kfac._patches import patches_moments, patches_moments_explicit
+from eqx_kfac._curvature import patches as _patches
+from eqx_kfac._curvature.patches import patches_moments, patches_moments_explicit
 
 
 def _numpy_reference(x_nhwc, kernel, strides, padding, inputs_dilation, kernel_dilation, depthwise, w):

@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from eqx_kfac._tags import (
+from eqx_kfac._tracing.tags import (
     LayerTag,
     conv2d_tag,
     dense_tag,

@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 import eqx_kfac
 from eqx_kfac import testing as kt
-from eqx_kfac._blocks.base import _concrete_blocks
-from eqx_kfac._estimators import DEFAULT_TAG_TO_BLOCK_CTOR
+from eqx_kfac._curvature.blocks.base import _concrete_blocks
+from eqx_kfac._curvature.estimators import DEFAULT_TAG_TO_BLOCK_CTOR
 
 # The test-time type checks (beartype, through jaxtyping's import hook) sample container items with
 # the `random` module, which hypothesis flags when that happens while the kit's strategies draw.

@@ -5,7 +5,7 @@ from typing import Any, NamedTuple
 
 from jaxtyping import Array, Float, Int, PyTree
 
-from .._estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
+from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState, ImplicitExactCurvature
 
 
 class StepContext(NamedTuple):

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
-from .. import _distributed
-from .._quad_model import levenberg_marquardt_damping, solve_quadratic_model
+from .._core import distributed as _distributed
+from .quad_model import levenberg_marquardt_damping, solve_quadratic_model
 from .context import StepContext
 from .hyperparameters import AbstractHyperparameter, GivenHyperparameter, ScheduledHyperparameter
 from .quadratic import approximate_quadratic_model, exact_quadratic_model

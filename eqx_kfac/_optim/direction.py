@@ -6,8 +6,8 @@ import equinox as eqx
 import optax
 from jaxtyping import Array, Float, PyTree
 
-from .. import _distributed
-from .._quad_model import norm_constraint_scale
+from .._curvature.estimators.distributed import distributed_multiply_matpower
+from .quad_model import norm_constraint_scale
 from .context import StepContext
 
 
@@ -69,7 +69,7 @@ class PreconditionedGradient(AbstractDirection):
             context.estimator_state, context.grads, identity_weight, -1, self.exact_inverses, use_cached
         )
         if context.axis_name is not None and self.distributed:
-            direction = _distributed.distributed_multiply_matpower(
+            direction = distributed_multiply_matpower(
                 context.estimator, *args, context.axis_name
             )
         else:

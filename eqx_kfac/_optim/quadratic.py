@@ -1,6 +1,6 @@
 """The quadratic model of a step, from the exact curvature or from the K-FAC estimate.
 
-The pure algebra (`QuadraticModel`, solving it, Levenberg-Marquardt) lives in `eqx_kfac._quad_model`;
+The pure algebra (`QuadraticModel`, solving it, Levenberg-Marquardt) lives in `eqx_kfac._optim.quad_model`;
 these functions compute a model's curvature products in a step (`StepContext`).
 """
 
@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _distributed
-from .._quad_model import QuadraticModel, gram_matrix, quadratic_model
+from .._core import distributed as _distributed
+from .quad_model import QuadraticModel, gram_matrix, quadratic_model
 from .context import StepContext
 
 

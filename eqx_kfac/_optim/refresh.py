@@ -6,8 +6,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
-from .._control_flow import apply_if, periodic, select_changed
-from .._estimators import EstimatorState
+from .._core.control_flow import apply_if, periodic, select_changed
+from .._curvature.estimators import EstimatorState
 
 
 def burnin_keys(rng: PRNGKeyArray, num: int) -> Array:

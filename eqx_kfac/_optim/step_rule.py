@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PyTree
 
-from .._quad_model import solve_quadratic_model
+from .quad_model import solve_quadratic_model
 from .context import StepContext
 from .hyperparameters import AbstractHyperparameter, GivenHyperparameter
 from .quadratic import exact_quadratic_model

@@ -12,10 +12,10 @@ import lineax as lx
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-from .._blocks import CurvatureBlock
-from .._layer_data import EstimationData, LayerSpec
-from .._curvature_operators import unflatten_vector
-from .._spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
+from .._curvature.blocks import CurvatureBlock
+from .._tracing.layer_data import EstimationData, LayerSpec
+from .._curvature.curvature_operators import unflatten_vector
+from .._curvature.linear.spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
 from ._specs import batch_size, block_state, estimation_data, example_specs, random_vector
 
 

@@ -14,9 +14,9 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
-from .._blocks import CurvatureBlock
-from .._blocks.base import PowersLike
-from .._layer_data import EstimationData, LayerSpec
+from .._curvature.blocks import CurvatureBlock
+from .._curvature.blocks.base import PowersLike
+from .._tracing.layer_data import EstimationData, LayerSpec
 
 
 def _dtype(dtype: Any) -> Any:

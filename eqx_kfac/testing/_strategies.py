@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from .._blocks import CurvatureBlock
-from .._blocks.base import PowersLike
-from .._layer_data import LayerSpec
+from .._curvature.blocks import CurvatureBlock
+from .._curvature.blocks.base import PowersLike
+from .._tracing.layer_data import LayerSpec
 from ._specs import (
     block_state,
     conv2d_spec,

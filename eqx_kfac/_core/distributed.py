@@ -1,0 +1,308 @@
+"""Multi-device execution: the `shard_map` step, cross-device reductions, block work spread over devices.
+
+The optimizer's step runs once per device under `jax.shard_map`: parameters and optimizer state are
+replicated, the batch is split along its first axis over the data axis of the mesh. Every quantity
+that depends on the batch (loss, gradients, curvature statistics, quadratic-model products) is
+averaged over that axis; the per-device batches all have the same size, so the plain mean over
+devices is the mean over the global batch. The step runs with `check_vma=False` (the per-device
+semantics of `pmap`): with varying-axis checks, JAX inserts `pvary` on the replicated parameters
+wherever they meet the batch, and the layer patterns would no longer see an Equinox layer.
+
+Cache updates (inverses, eigendecompositions) and preconditioner products can be spread over the
+devices: each block is given to one device (greedily balancing a cost estimate), the owner computes
+it, and a `psum` of the owner's result with zeros elsewhere hands it to every device.
+
+All helpers take `axis_name=None` to mean "one device", where they are the identity, so the
+optimizer's step reads the same for one and many devices.
+"""
+
+import heapq
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+from jax.typing import ArrayLike
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+
+
+def data_mesh(axis_name: Hashable, devices: Sequence[Any] | None = None) -> Mesh:
+    """A 1-D mesh over `devices` (default: all devices of all processes) with one data axis.
+
+    **Arguments:**
+
+    - `axis_name`: the name of the data axis (the optimizer's `pmap_axis_name`).
+    - `devices`: the devices, in order; `None` means `jax.devices()` (global in multi-host runs).
+
+    **Returns:**
+
+    A `jax.sharding.Mesh`.
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    return Mesh(np.array(devices), (axis_name,))
+
+
+def check_mesh(mesh: Mesh, axis_name: Hashable) -> None:
+    """Raises `ValueError` when `mesh` has no axis called `axis_name`.
+
+    **Arguments:**
+
+    - `mesh`: the user's mesh.
+    - `axis_name`: the data axis the batch is split over.
+
+    **Returns:**
+
+    Nothing.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"The mesh has axes {tuple(mesh.axis_names)} but the batch is split over "
+            f"pmap_axis_name={axis_name!r}; name the mesh's data axis {axis_name!r} or pass "
+            "pmap_axis_name= equal to it."
+        )
+
+
+def check_even_split(batch: PyTree, num_devices: int, axis_name: Hashable) -> None:
+    """Raises `ValueError` unless every array of `batch` splits evenly over `num_devices`.
+
+    Unequal per-device batches would need per-device weights in every average; K-FAC's statistics
+    are normalised per device, so the global batch must divide evenly instead.
+
+    **Arguments:**
+
+    - `batch`: the global batch.
+    - `num_devices`: the size of the data axis.
+    - `axis_name`: the data axis (for the message).
+
+    **Returns:**
+
+    Nothing.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if not eqx.is_array(leaf):
+            continue
+        where = jax.tree_util.keystr(path) or "the batch"
+        if leaf.ndim == 0 or leaf.shape[0] % num_devices != 0:
+            size = "a scalar" if leaf.ndim == 0 else f"batch size {leaf.shape[0]}"
+            raise ValueError(
+                f"The global batch cannot be split evenly over the {num_devices} devices of mesh "
+                f"axis {axis_name!r}: {where} has {size} (leading axis), which is not a multiple "
+                f"of {num_devices}. Use a global batch size divisible by {num_devices} (pad or "
+                "drop the last batch), or run on fewer devices."
+            )
+
+
+def fold_in_device(key: PRNGKeyArray, axis_name: Hashable | None) -> PRNGKeyArray:
+    """A key of its own for every device along `axis_name` (the key itself for one device).
+
+    **Arguments:**
+
+    - `key`: a replicated PRNG key.
+    - `axis_name`: the data axis, or `None`.
+
+    **Returns:**
+
+    `jax.random.fold_in(key, axis_index)`, so samples drawn on different devices are independent.
+    """
+    if axis_name is None:
+        return key
+    return jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+
+
+def pmean(tree: PyTree, axis_name: Hashable | None) -> PyTree:
+    """The mean over devices of every inexact array of `tree` (other leaves are left alone).
+
+    **Arguments:**
+
+    - `tree`: any PyTree.
+    - `axis_name`: the data axis, or `None` (identity).
+
+    **Returns:**
+
+    A PyTree of the same structure.
+    """
+    if axis_name is None:
+        return tree
+    return jax.tree.map(
+        lambda x: jax.lax.pmean(x, axis_name) if eqx.is_inexact_array(x) else x, tree
+    )
+
+
+def global_batch_size(batch_size: ArrayLike, axis_name: Hashable | None) -> ArrayLike:
+    """The global batch size from the (equal) per-device batch size.
+
+    **Arguments:**
+
+    - `batch_size`: the per-device batch size.
+    - `axis_name`: the data axis, or `None`.
+
+    **Returns:**
+
+    `batch_size` times the size of the data axis.
+    """
+    if axis_name is None:
+        return batch_size
+    return batch_size * jax.lax.axis_size(axis_name)
+
+
+# --- spreading block work over devices ------------------------------------------------------
+
+
+def block_cost(block_state: PyTree) -> float:
+    """A cost estimate for a block's factorisations: `n³` per square matrix, size otherwise.
+
+    Read from the shapes of the block's state, so it covers every block kind: a Kronecker block's
+    factors cost `in³ + out³`, a full block `dim³`, a diagonal block `dim`; stacked (scanned) blocks
+    multiply by the stack size.
+
+    **Arguments:**
+
+    - `block_state`: the block's state.
+
+    **Returns:**
+
+    A positive number.
+    """
+    cost = 0.0
+    for leaf in jax.tree.leaves(block_state):
+        if not eqx.is_inexact_array(leaf):
+            continue
+        shape = leaf.shape
+        if len(shape) >= 2 and shape[-1] == shape[-2]:
+            cost += math.prod(shape[:-2]) * float(shape[-1]) ** 3
+        else:
+            cost += float(math.prod(shape))
+    return max(cost, 1.0)
+
+
+def assign_blocks(costs: Sequence[float], num_devices: int) -> tuple[int, ...]:
+    """Gives each block to a device, balancing the total cost (longest-processing-time first).
+
+    **Arguments:**
+
+    - `costs`: one cost per block.
+    - `num_devices`: the number of devices.
+
+    **Returns:**
+
+    The owning device index of every block.
+    """
+    loads = [(0.0, d) for d in range(num_devices)]
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, device = heapq.heappop(loads)
+        owners[i] = device
+        heapq.heappush(loads, (load + costs[i], device))
+    return tuple(owners)
+
+
+def _from_owner(x: Array, mine: Array, axis_name: Hashable) -> Array:
+    """Every device gets the owner's `x`: a `psum` of it with zeros on the other devices."""
+    if x.dtype == jnp.bool_:
+        return _from_owner(x.astype(jnp.int32), mine, axis_name).astype(jnp.bool_)
+    return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
+
+
+def _changed_leaves(fn: Callable[[Any], Any], tree: PyTree) -> list[bool]:
+    """Which array leaves of `tree` `fn` replaces (leaves passed through unchanged keep identity).
+
+    Found by tracing `fn` abstractly; a leaf that cannot be matched counts as changed, which is
+    only more communication, never a wrong result.
+    """
+    changed: list[bool] = []
+
+    def probe(t):
+        out = fn(t)
+        ins, in_def = jax.tree.flatten(t)
+        outs, out_def = jax.tree.flatten(out)
+        if in_def == out_def:
+            changed.extend(o is not i for i, o in zip(ins, outs))
+        else:
+            changed.extend([True] * len(outs))
+        return out
+
+    jax.eval_shape(probe, tree)
+    return changed
+
+
+def owner_computes(
+    fn: Callable[[Any], Any], tree: PyTree, owner: int, axis_name: Hashable
+) -> PyTree:
+    """`fn(tree)` computed on device `owner` only and given to every device.
+
+    `tree` must be replicated and `fn` must keep its structure; only the leaves `fn` changes travel.
+
+    **Arguments:**
+
+    - `fn`: the computation, from `tree` to a tree of the same structure.
+    - `tree`: its (replicated) argument.
+    - `owner`: the index of the device that computes it.
+    - `axis_name`: the device axis.
+
+    **Returns:**
+
+    `fn(tree)`, replicated.
+    """
+    mine = jax.lax.axis_index(axis_name) == owner
+    changed = _changed_leaves(fn, tree)
+    new = jax.lax.cond(mine, fn, lambda t: t, tree)
+    leaves, treedef = jax.tree.flatten(new)
+    old = jax.tree.leaves(tree)
+    return jax.tree.unflatten(treedef, [
+        _from_owner(n, mine, axis_name) if c else o for n, o, c in zip(leaves, old, changed)
+    ])
+
+
+# --- the shard_map wrapper ------------------------------------------------------------------
+
+
+def sharded_call(
+    fn: Callable[..., Any],
+    mesh: Mesh,
+    axis_name: Hashable,
+    args: Sequence[Any],
+    batch_index: int,
+) -> Any:
+    """Calls `fn(*args)` once per device under `jax.shard_map`, splitting `args[batch_index]`.
+
+    Every other argument is replicated; so must be every output (`fn` reduces what depends on the
+    batch). Non-array leaves (static parts of Equinox modules, `None`s) stay outside the map.
+
+    **Arguments:**
+
+    - `fn`: the per-device function.
+    - `mesh`: the mesh; the batch is split over its axis `axis_name` and replicated over the rest.
+    - `axis_name`: the data axis.
+    - `args`: the arguments of `fn` (global arrays).
+    - `batch_index`: position of the batch among `args`.
+
+    **Returns:**
+
+    The (replicated) output of `fn`.
+    """
+    check_even_split(args[batch_index], mesh.shape[axis_name], axis_name)
+    dynamic, static = eqx.partition(tuple(args), eqx.is_array)
+    out_static: list[Any] = []
+
+    def body(dynamic_args):
+        out = fn(*eqx.combine(dynamic_args, static))
+        out_dynamic, out_rest = eqx.partition(out, eqx.is_array)
+        out_static.append(out_rest)
+        return out_dynamic
+
+    in_specs = tuple(
+        jax.tree.map(lambda _: PartitionSpec(axis_name) if i == batch_index else PartitionSpec(), a)
+        for i, a in enumerate(dynamic)
+    )
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(in_specs,), out_specs=PartitionSpec(), check_vma=False
+    )
+    out_dynamic = mapped(dynamic)
+    return eqx.combine(out_dynamic, out_static[0])

@@ -1,0 +1,1 @@
+"""Curvature: structured operators, curvature blocks, estimators and solvers."""

@@ -1,0 +1,150 @@
+"""Spec checks and exact per-example gradients of dense and scale-and-shift layers.
+
+Shared by the diagonal, full and Kronecker blocks of these layers.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from ..._tracing.layer_data import EstimationData, LayerSpec
+from .base import CurvatureBlock
+from .statistics import sum_to_shape
+
+
+def check_dense_spec(block: CurvatureBlock) -> None:
+    """Raises `ValueError` unless `block.spec` is a well-formed dense layer.
+
+    **Arguments:**
+
+    - `block`: the block being constructed (for the error message).
+    """
+    spec = block.spec
+    layout = spec.get("weight_layout")
+    has_bias = bool(spec.get("has_bias", len(spec.param_shapes) == 2))
+    problem = None
+    if layout not in ("in_out", "out_in"):
+        problem = f"weight_layout must be 'in_out' or 'out_in', got {layout!r}"
+    elif len(spec.param_shapes) != 1 + has_bias or len(spec.param_shapes[0]) != 2:
+        problem = f"expected a 2-D weight{' and a bias' if has_bias else ''}, got parameter shapes {spec.param_shapes}"
+    elif len(spec.input_shapes) != 1 or len(spec.output_shapes) != 1:
+        problem = "expected one input and one output"
+    if problem is not None:
+        raise ValueError(f"{type(block).__name__} cannot handle the {spec.describe}: {problem}.")
+
+
+def dense_layout(spec: LayerSpec) -> tuple[bool, bool, int, int]:
+    """Reads a dense layer's layout from its spec.
+
+    **Arguments:**
+
+    - `spec`: a dense layer's spec (checked by `check_dense_spec`).
+
+    **Returns:**
+
+    `(in_out, has_bias, n_in, n_out)`: whether the weight is `(in, out)`, whether there is a
+    bias, and the input and output sizes.
+    """
+    in_out = spec.get("weight_layout") == "in_out"
+    has_bias = len(spec.param_shapes) == 2
+    rows, cols = spec.param_shapes[0]
+    return (in_out, has_bias, rows, cols) if in_out else (in_out, has_bias, cols, rows)
+
+
+def dense_gradient_samples(spec: LayerSpec, data: EstimationData) -> tuple[Array, ...]:
+    """Exact per-example gradients of a dense layer's parameters, built from `x` and `dy`.
+
+    Extra leading input dims (sequence positions) are summed inside each example, so these are
+    the true per-example gradients (no "expand" approximation).
+
+    **Arguments:**
+
+    - `spec`: the dense layer's spec.
+    - `data`: inputs `x: (B, *extra, in)` and output tangents `dy: (V, B, *extra, out)`.
+
+    **Returns:**
+
+    Per-parameter arrays shaped `(V * B, *param_shape)`.
+    """
+    in_out, has_bias, n_in, n_out = dense_layout(spec)
+    (x,) = data.inputs
+    (dy,) = data.outputs_tangent
+    v, b = dy.shape[:2]
+    # Explicit sizes: a `-1` cannot be inferred when a layer has zero inputs or outputs.
+    positions = int(np.prod(x.shape[1:-1], dtype=int))
+    x = jnp.reshape(x, (b, positions, n_in))
+    dy = jnp.reshape(dy, (v, b, positions, n_out))
+    equation = "bti,vbto->vbio" if in_out else "bti,vbto->vboi"
+    samples = (jnp.reshape(jnp.einsum(equation, x, dy), (v * b, *spec.param_shapes[0])),)
+    if has_bias:
+        samples += (jnp.reshape(jnp.sum(dy, axis=2), (v * b, n_out)),)
+    return samples
+
+
+def check_scale_and_shift_spec(block: CurvatureBlock) -> None:
+    """Raises `ValueError` unless `block.spec` is a well-formed scale-and-shift layer.
+
+    **Arguments:**
+
+    - `block`: the block being constructed (for the error message).
+    """
+    spec = block.spec
+    count = bool(spec.get("has_scale")) + bool(spec.get("has_shift"))
+    problem = None
+    if count == 0 or len(spec.param_shapes) != count or len(spec.input_shapes) != 1:
+        problem = (
+            f"expected one input and parameters matching has_scale={spec.get('has_scale')}, "
+            f"has_shift={spec.get('has_shift')}, got parameter shapes {spec.param_shapes}"
+        )
+    else:
+        axes = spec.get("param_axes")
+        rank = len(spec.input_shapes[0])
+        if axes is not None and not (
+            all(isinstance(a, int) and -rank < a < 0 for a in axes)
+            and all(a < b for a, b in zip(axes, axes[1:]))
+            and all(len(s) == len(axes) for s in spec.param_shapes)
+        ):
+            problem = (
+                f"param_axes={axes} must be increasing negative axes of the input (shape "
+                f"{spec.input_shapes[0]}) other than its batch axis, one per parameter dimension "
+                f"(parameter shapes {spec.param_shapes})"
+            )
+    if problem is not None:
+        raise ValueError(f"{type(block).__name__} cannot handle the {spec.describe}: {problem}.")
+
+
+def _sum_to_param(spec: LayerSpec, array: Array, shape: tuple[int, ...]) -> Array:
+    """Sums `array: (V, B, *x_shape)` to `(V, B, *shape)` over the axes the parameter is broadcast along."""
+    axes = spec.get("param_axes")
+    if axes is not None:
+        # Moving the parameter's axes to the end makes it broadcast against the trailing dims.
+        array = jnp.moveaxis(array, [array.ndim + a for a in axes], list(range(-len(axes), 0)))
+    return sum_to_shape(array, 2, shape)
+
+
+def scale_and_shift_gradient_samples(
+    spec: LayerSpec, data: EstimationData
+) -> tuple[Array, ...]:
+    """Exact per-example gradients of `y = x * scale + shift` w.r.t. `scale` and `shift`.
+
+    **Arguments:**
+
+    - `spec`: the layer's spec (`has_scale` / `has_shift` in its meta, and `param_axes`: the axes
+      of `x`, counted from the end, that the parameters lie along; `None` or absent for the
+      trailing axes).
+    - `data`: inputs `x: (B, ...)` and output tangents `dy: (V, B, ...)`.
+
+    **Returns:**
+
+    Per-parameter arrays shaped `(V * B, *param_shape)`, scale first.
+    """
+    (x,) = data.inputs
+    (dy,) = data.outputs_tangent
+    v, b = dy.shape[:2]
+    shapes = list(spec.param_shapes)
+    samples = []
+    if spec.get("has_scale"):
+        samples.append(_sum_to_param(spec, x[None] * dy, shapes.pop(0)))
+    if spec.get("has_shift"):
+        samples.append(_sum_to_param(spec, dy, shapes.pop(0)))
+    return tuple(jnp.reshape(g, (v * b, *g.shape[2:])) for g in samples)

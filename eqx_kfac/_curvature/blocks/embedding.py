@@ -1,0 +1,179 @@
+"""K-FAC for embedding lookups: `A ⊗ G` with `A` the diagonal of token frequencies."""
+
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Array
+
+from ..curvature_operators import (
+    EigenbasisCurvatureOperator,
+    KroneckerCurvatureOperator,
+    ReshapeLayout,
+)
+from ..._tracing.layer_data import EstimationData, LayerSpec
+from ..linear.kronecker import kronecker_eigh
+from .base import CurvatureBlock, power_key, Power
+from .statistics import WeightedMovingAverage
+
+
+class EmbeddingState(eqx.Module):
+    """The state of an `EmbeddingKroneckerFactored` block.
+
+    **Fields:**
+
+    - `frequencies`: moving average of the input factor's diagonal `(vocab,)`.
+    - `output_factor`: moving average of `G`, `(features, features)`.
+    - `cache`: `"eigenvalues"` / `"eigenvectors"` of `G` (for cached eigenvalues or exact
+      powers) and, per cached approximate power `p`, `"approx <p>"`: the damped, powered
+      diagonal and `G` factor.
+    """
+
+    frequencies: WeightedMovingAverage
+    output_factor: WeightedMovingAverage
+    cache: dict[str, tuple[Array, ...]]
+
+
+class EmbeddingKroneckerFactored(CurvatureBlock):
+    """K-FAC for an embedding `y = table[ids]`, i.e. `y = one_hot(ids) @ table` (final).
+
+    With ids `(B, *extra)` (`T = prod(extra)` positions per example) and output tangents
+    `dy: (V, B, *extra, features)`, this is `DenseTwoKroneckerFactored` of the one-hot layer
+    (expand convention, no bias), stored without its zeros: the input factor
+    `A = Σ_{b,t} one_hot one_hotᵀ / (B T)` is diagonal, the frequency of each token, kept as a
+    vector; `G = Σ_v Σ_{b,t} dy dyᵀ / B`. The table `(vocab, features)` is the canonical array
+    (vocabulary rows, feature columns). Exact powers use `G`'s eigendecomposition and the
+    frequencies directly; approximate powers use pi-adjusted damping
+    `(diag(a) + π√λ)^p ⊗ (G + √λ/π)^p`, `π = sqrt(mean(a) / (tr G / features))` (each factor gets
+    `√λ` when either trace is zero; `pi_adjusted_damped_factors` with the frequencies as a
+    diagonal factor). Its operator (`as_linear_operator`) is a `KroneckerCurvatureOperator` with
+    that diagonal factor. Memory `O(vocab + features²)`, so large vocabularies are cheap.
+
+    It is the default block of the `"embedding"` tag, which the default graph pattern binds on
+    every `eqx.nn.Embedding` lookup (any table shape); `register_embedding` registers a lookup by
+    hand.
+
+    **Fields:**
+
+    - `spec`: the layer's `LayerSpec` (static).
+    """
+
+    spec: LayerSpec = eqx.field(static=True)
+    supported_tags: ClassVar[frozenset[str] | None] = frozenset({"embedding"})
+
+    def _check_spec(self) -> None:
+        shapes = self.spec.param_shapes
+        if len(shapes) != 1 or len(shapes[0]) != 2 or len(self.spec.input_shapes) != 1:
+            raise ValueError(
+                f"{type(self).__name__} cannot handle the {self.spec.describe}: expected one "
+                f"input (the ids) and one 2-D table, got parameter shapes {shapes}."
+            )
+
+    @property
+    def _sizes(self) -> tuple[int, int]:
+        vocab, features = self.spec.param_shapes[0]
+        return vocab, features
+
+    def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> EmbeddingState:
+        vocab, features = self._sizes
+        cache = {}
+        if exact_powers or cache_eigenvalues:
+            cache["eigenvalues"] = (jnp.zeros((features,), self.dtype),)
+        if exact_powers:
+            cache["eigenvectors"] = (jnp.zeros((features, features), self.dtype),)
+        for p in approx_powers:
+            cache[f"approx {power_key(p)}"] = (
+                jnp.zeros((vocab,), self.dtype),
+                jnp.zeros((features, features), self.dtype),
+            )
+        return EmbeddingState(
+            frequencies=WeightedMovingAverage.zeros((vocab,), self.dtype),
+            output_factor=WeightedMovingAverage.zeros((features, features), self.dtype),
+            cache=cache,
+        )
+
+    def _update(self, state, data: EstimationData, ema_old, ema_new, batch_size) -> EmbeddingState:
+        vocab, features = self._sizes
+        (ids,) = data.inputs
+        (dy,) = data.outputs_tangent
+        positions = int(np.prod(ids.shape[1:], dtype=int))
+        counts = jnp.zeros((vocab,), self.dtype).at[jnp.reshape(ids, (-1,))].add(1.0)
+        dy = jnp.reshape(dy.astype(self.dtype), (-1, features))
+        return EmbeddingState(
+            frequencies=state.frequencies.update(
+                counts / (batch_size * positions), ema_old, ema_new
+            ),
+            output_factor=state.output_factor.update(dy.T @ dy / batch_size, ema_old, ema_new),
+            cache=state.cache,
+        )
+
+    def _update_cache(
+        self, state, identity_weight, exact_powers, approx_powers, eigenvalues
+    ) -> EmbeddingState:
+        cache = dict(state.cache)
+        if exact_powers and "eigenvectors" not in cache:
+            raise self._missing_cache(f"exact powers {exact_powers}", "exact_powers_to_cache")
+        if eigenvalues and "eigenvalues" not in cache:
+            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
+        if exact_powers or eigenvalues:
+            eigh = kronecker_eigh([state.output_factor.value])
+            cache["eigenvalues"] = eigh.eigenvalues
+            if exact_powers:
+                cache["eigenvectors"] = eigh.eigenvectors
+        for p in approx_powers:
+            key = f"approx {power_key(p)}"
+            self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
+            cache[key] = self._slice_operator(state, identity_weight).matpower(p, False).factors
+        return EmbeddingState(
+            frequencies=state.frequencies, output_factor=state.output_factor, cache=cache
+        )
+
+    def _multiply_matpower(
+        self,
+        state: EmbeddingState,
+        vector: tuple[Array, ...],
+        identity_weight: ArrayLike,
+        power: Power,
+        exact_power: bool,
+        use_cached: bool,
+    ) -> tuple[Array, ...]:
+        if not use_cached or power == 1:
+            operator = self._slice_operator(state, identity_weight)
+            return operator.matpower(power, exact_power).mv(vector)
+        if exact_power:
+            what = f"exact power {power}"
+            self._require_cache(state.cache, "eigenvectors", what, "exact_powers_to_cache")
+            (vals,), (vecs,) = state.cache["eigenvalues"], state.cache["eigenvectors"]
+            spectrum = jnp.outer(state.frequencies.value, vals)
+            cached = EigenbasisCurvatureOperator(
+                (None, vecs), spectrum, identity_weight, self._layout
+            )
+            return cached.matpower(power).mv(vector)
+        key = f"approx {power_key(power)}"
+        what = f"approximate power {power}"
+        self._require_cache(state.cache, key, what, "approx_powers_to_cache")
+        return KroneckerCurvatureOperator(state.cache[key], 0.0, self._layout).mv(vector)
+
+    def _eigenvalues(self, state: EmbeddingState, use_cached: bool) -> Array:
+        if not use_cached:
+            vals = kronecker_eigh([state.output_factor.value]).eigenvalues[0]
+        elif "eigenvalues" not in state.cache:
+            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
+        else:
+            (vals,) = state.cache["eigenvalues"]
+        return jnp.reshape(state.frequencies.value[:, None] * vals[None, :], (-1,))
+
+    def _to_dense(self, state: EmbeddingState) -> Array:
+        return self._slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
+
+    @property
+    def _layout(self) -> ReshapeLayout:
+        return ReshapeLayout(self.spec.param_shapes, self._sizes)
+
+    def _slice_operator(
+        self, state: EmbeddingState, identity_weight: ArrayLike
+    ) -> KroneckerCurvatureOperator:
+        factors = (state.frequencies.value, state.output_factor.value)
+        return KroneckerCurvatureOperator(factors, identity_weight, self._layout)

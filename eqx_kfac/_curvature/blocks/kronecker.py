@@ -1,0 +1,365 @@
+"""Kronecker-factored curvature blocks (K-FAC): `C ≈ A ⊗ G` kept as its factors."""
+
+import abc
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Array, PyTree
+
+from ..curvature_operators import AbstractParameterLayout, KroneckerCurvatureOperator
+from ..._tracing.layer_data import EstimationData, LayerSpec
+from ..linear.operators import (
+    _kron_vectors,
+    apply_factors,
+    KroneckerOperator,
+)
+from ..linear.kronecker import (
+    kronecker_damped_matpower,
+    kronecker_eigh,
+    KroneckerEigh,
+    pi_adjusted_inverse,
+    refreshed_inverse_factors,
+)
+from ._layer_stats import (
+    check_dense_spec,
+    dense_layout,
+)
+from ._solver_cache import (
+    SOLVER_CACHE_KEY,
+    solver_inverse,
+    solver_takes_inverse,
+    store_solver_state,
+    zero_solver_state,
+)
+from .base import (
+    CurvatureBlock,
+    power_key,
+    Power,
+)
+from .statistics import WeightedMovingAverage
+
+
+class KroneckerState(eqx.Module):
+    """The state of a `KroneckerFactored` block.
+
+    **Fields:**
+
+    - `factors`: one moving average per Kronecker factor, `(n_i, n_i)`.
+    - `cache`: `"eigenvalues"` (per factor, when eigenvalues or exact powers are cached),
+      `"eigenvectors"` (per factor, when exact powers are cached) and `"approx <p>"` (per factor:
+      the pi-adjusted damped factor raised to `p`, for each cached approximate power `p`), and,
+      for a block with a `solver` caching power -1, the array part of the solver's state (see
+      `KroneckerFactored`).
+    """
+
+    factors: tuple[WeightedMovingAverage, ...]
+    cache: dict[str, PyTree[Array]]
+
+
+class KroneckerFactored(CurvatureBlock):
+    """Approximates the curvature by a Kronecker product `F_1 ⊗ ... ⊗ F_k` (abstract family).
+
+    For the two-factor blocks, `A ⊗ G` with `A` the second moment of the layer inputs (with a 1
+    appended when there is a bias, so the bias is folded into `A`) and `G` that of the output
+    tangents. The layer's parameters are rearranged into one canonical array of shape
+    `factor_dims = (n_1, ..., n_k)` (e.g. `(in + 1, out)`), on which the product acts factor-wise.
+
+    - Exact powers use the factors' eigendecompositions: `(⊗F_i + λI)^p` has eigenvalues
+      `(⊗s_i + λ)^p` in the basis `⊗Q_i`. Cached exact powers store the eigendecompositions at
+      `update_cache` and use the damping given at multiplication time.
+    - Approximate powers use pi-adjusted factored damping: `⊗(F_i + d_i I)^p` with the `d_i`
+      of Martens & Grosse (2015) multiplying to `λ`. Cached approximate powers store the damped
+      factors' powers computed with the damping given to `update_cache`.
+    - Power `1` always uses the current statistics (exact: `⊗F_i v + λ v`; approximate: the
+      pi-adjusted damped product, consistent with the approximate inverse).
+
+    Cost: `O(Σ n_i²)` memory and `O(Σ n_i³)` per factorisation, instead of `O(Π n_i²)` and
+    `O(Π n_i³)` for `Full`.
+
+    **Choosing the solver.** With `solver=` a lineax solver, power `-1` (exact and approximate
+    alike: `exact_power` is then irrelevant) is `lineax.linear_solve(K + λ·I, v, solver)` on the
+    canonical array, with `K` the PSD-tagged `KroneckerOperator` of the factors (the operator of
+    `eqx_kfac.damped_block_operator`). `eqx_kfac.KroneckerEigenSolver()` gives the exact inverse,
+    `eqx_kfac.KroneckerPiAdjustedSolver()` the pi-adjusted one, `lineax.CG(rtol, atol)` keeps
+    the Kronecker structure, and dense solvers (`lineax.Cholesky()`, `lineax.LU()`) materialise
+    the product (small blocks only). Caching `-1` stores `solver.init` of the operator at
+    `update_cache`, with the damping given there (frozen until the next `update_cache`). A solve
+    that does not succeed (e.g. CG out of steps) returns NaNs. Other powers are unaffected.
+
+    **Fields** (besides the subclass's `spec`):
+
+    - `solver`: the lineax solver for power `-1`, or `None` for the built-in methods (static,
+      keyword-only: `DenseTwoKroneckerFactored(spec, solver=lineax.CG(rtol=1e-6, atol=1e-6))`).
+
+    **Subclasses** declare `spec: LayerSpec = eqx.field(static=True)`, set `supported_tags`, and
+    implement (for one slice):
+
+    - `factor_dims` (property): the canonical array shape `(n_1, ..., n_k)`, a static tuple with
+      `prod(factor_dims) == slice_dim`;
+    - `_params_to_array(vector) -> Array`: a bijective rearrangement of the parameter tuple into
+      the canonical array (every entry moved, none created or dropped), such that the
+      block's curvature on that array is `F_1 ⊗ ... ⊗ F_k` in row-major order;
+    - `_array_to_params(array) -> tuple[Array, ...]`: its inverse;
+    - optionally `_params_to_product_array` / `_product_array_to_params`: an arrangement with
+      the factors' axes permuted that is cheaper to form (approximate powers use it);
+    - `_factor_statistics(data, batch_size) -> tuple[Array, ...]`: this batch's factors
+      `(n_i, n_i)`, already normalised (they are averaged as they are).
+    """
+
+    solver: lx.AbstractLinearSolver | None = eqx.field(static=True, default=None, kw_only=True)
+
+    @property
+    @abc.abstractmethod
+    def factor_dims(self) -> tuple[int, ...]:
+        """The shape `(n_1, ..., n_k)` of the canonical parameter array."""
+
+    @abc.abstractmethod
+    def _params_to_array(self, vector: tuple[Array, ...]) -> Array:
+        """Rearranges a parameter tuple into the canonical array (see the class docstring)."""
+
+    @abc.abstractmethod
+    def _array_to_params(self, array: Array) -> tuple[Array, ...]:
+        """Inverse of `_params_to_array`."""
+
+    def _params_to_product_array(self, vector: tuple[Array, ...]) -> tuple[Array, tuple[int, ...]]:
+        """The parameters as an array with factor `i` along axis `axes[i]`, and `axes`.
+
+        Approximate powers (one matrix per factor) are applied on this array. By default it is
+        the canonical array; a subclass can return a permutation of it that is cheaper to form
+        from the parameters (no transposed copy of a weight in each product).
+        """
+        return self._params_to_array(vector), tuple(range(len(self.factor_dims)))
+
+    def _product_array_to_params(self, array: Array) -> tuple[Array, ...]:
+        """Inverse of `_params_to_product_array`."""
+        return self._array_to_params(array)
+
+    @abc.abstractmethod
+    def _factor_statistics(self, data: EstimationData, batch_size: ArrayLike) -> tuple[Array, ...]:
+        """This batch's Kronecker factors (see the class docstring)."""
+
+    def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> KroneckerState:
+        exact_powers, approx_powers, inverse = solver_takes_inverse(
+            self.solver, exact_powers, approx_powers
+        )
+        dims = self.factor_dims
+        cache = {}
+        if inverse:
+            cache[SOLVER_CACHE_KEY] = zero_solver_state(self.solver, dims, self.dtype)
+        if exact_powers or cache_eigenvalues:
+            cache["eigenvalues"] = tuple(jnp.zeros((n,), self.dtype) for n in dims)
+        if exact_powers:
+            cache["eigenvectors"] = tuple(jnp.zeros((n, n), self.dtype) for n in dims)
+        for p in approx_powers:
+            cache[f"approx {power_key(p)}"] = tuple(jnp.zeros((n, n), self.dtype) for n in dims)
+        return KroneckerState(
+            factors=tuple(WeightedMovingAverage.zeros((n, n), self.dtype) for n in dims),
+            cache=cache,
+        )
+
+    def _update(self, state, data, ema_old, ema_new, batch_size) -> KroneckerState:
+        stats = self._factor_statistics(data, batch_size)
+        return KroneckerState(
+            factors=tuple(f.update(s, ema_old, ema_new) for f, s in zip(state.factors, stats)),
+            cache=state.cache,
+        )
+
+    def _factor_values(self, state: KroneckerState) -> tuple[Array, ...]:
+        return tuple(f.value for f in state.factors)
+
+    def _update_cache(
+        self, state, identity_weight, exact_powers, approx_powers, eigenvalues
+    ) -> KroneckerState:
+        exact_powers, approx_powers, inverse = solver_takes_inverse(
+            self.solver, exact_powers, approx_powers
+        )
+        cache = dict(state.cache)
+        if exact_powers and "eigenvectors" not in cache:
+            raise self._missing_cache(f"exact powers {exact_powers}", "exact_powers_to_cache")
+        if eigenvalues and "eigenvalues" not in cache:
+            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
+        factors = self._factor_values(state)
+        if inverse:
+            store_solver_state(self, cache, factors, identity_weight)
+        if exact_powers or eigenvalues:
+            eigh = kronecker_eigh(factors)
+            cache["eigenvalues"] = eigh.eigenvalues
+            if exact_powers:
+                cache["eigenvectors"] = eigh.eigenvectors
+        for p in approx_powers:
+            key = f"approx {power_key(p)}"
+            self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
+            if p == -1:
+                cache[key] = refreshed_inverse_factors(factors, identity_weight, cache[key])
+            else:
+                cache[key] = pi_adjusted_inverse(factors, identity_weight, float(p)).factors
+        return KroneckerState(factors=state.factors, cache=cache)
+
+    def _multiply_matpower(
+        self,
+        state: KroneckerState,
+        vector: tuple[Array, ...],
+        identity_weight: ArrayLike,
+        power: Power,
+        exact_power: bool,
+        use_cached: bool,
+    ) -> tuple[Array, ...]:
+        vector = tuple(v.astype(self.dtype) for v in vector)
+        factors = self._factor_values(state)
+        if not exact_power and power != 1 and (power != -1 or self.solver is None):
+            # One matrix per factor, applied on the arrangement that is cheapest to form.
+            if use_cached:
+                key = f"approx {power_key(power)}"
+                self._require_cache(state.cache, key, f"approximate power {power}", "approx_powers_to_cache")
+                powered = state.cache[key]
+            else:
+                powered = pi_adjusted_inverse(factors, identity_weight, float(power)).factors
+            array, axes = self._params_to_product_array(vector)
+            return self._product_array_to_params(apply_factors(powered, array, axes))
+        array = self._params_to_array(vector)
+        if power == -1 and self.solver is not None:
+            result = solver_inverse(self, state.cache, factors, array, identity_weight, use_cached)
+        elif power == 1 and exact_power:
+            result = KroneckerOperator(factors).mv(array) + identity_weight * array
+        elif power == 1:
+            result = pi_adjusted_inverse(factors, identity_weight, 1.0).mv(array)
+        elif exact_power:
+            if use_cached:
+                self._require_cache(state.cache, "eigenvectors", f"exact power {power}", "exact_powers_to_cache")
+                eigh = KroneckerEigh(
+                    eigenvalues=state.cache["eigenvalues"],
+                    eigenvectors=state.cache["eigenvectors"],
+                )
+            else:
+                eigh = kronecker_eigh(factors)
+            result = kronecker_damped_matpower(eigh, array, identity_weight, power)
+        return self._array_to_params(result)
+
+    def _eigenvalues(self, state: KroneckerState, use_cached: bool) -> Array:
+        if not use_cached:
+            values = kronecker_eigh(self._factor_values(state)).eigenvalues
+        elif "eigenvalues" not in state.cache:
+            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
+        else:
+            values = state.cache["eigenvalues"]
+        return _kron_vectors(values)
+
+    def _slice_operator(
+        self, state: KroneckerState, identity_weight: ArrayLike
+    ) -> KroneckerCurvatureOperator:
+        return KroneckerCurvatureOperator(
+            self._factor_values(state), identity_weight, KroneckerLayout(self)
+        )
+
+    def _to_dense(self, state: KroneckerState) -> Array:
+        return self._slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
+
+
+class KroneckerLayout(AbstractParameterLayout):
+    """The canonical array `factor_dims` of a `KroneckerFactored` block (final).
+
+    **Fields:**
+
+    - `block`: the block whose `_params_to_array` / `_array_to_params` define the arrangement
+      (static).
+    """
+
+    block: KroneckerFactored = eqx.field(static=True)
+
+    @property
+    def param_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self.block.spec.param_shapes
+
+    @property
+    def array_shape(self) -> tuple[int, ...]:
+        return self.block.factor_dims
+
+    def to_array(self, vector: tuple[Array, ...]) -> Array:
+        return self.block._params_to_array(tuple(vector))
+
+    def from_array(self, array: Array) -> tuple[Array, ...]:
+        return self.block._array_to_params(array)
+
+
+class DenseTwoKroneckerFactored(KroneckerFactored):
+    """K-FAC for dense layers: `C ≈ A ⊗ G` (final).
+
+    With inputs `x: (B, *extra, in)` (`x̃` = `x` with a 1 appended when there is a bias) and
+    output tangents `dy: (V, B, *extra, out)`:
+
+    - `A = Σ_{b,t} x̃ x̃ᵀ / (B T)`, `G = Σ_v Σ_{b,t} dy dyᵀ / B`, where `T = prod(extra)` is the
+      number of positions per example (`T = 1` without extra dims).
+
+    Positions are treated as more examples (the "expand" approximation of Eschenhagen et al.
+    2023); the scaling — inputs averaged over positions, output tangents summed — is the one of
+    curvlinops' `KFACType.EXPAND` and of kfac-jax's `RepeatedDenseKroneckerFactored` (without
+    masking), and reduces to plain K-FAC for `T = 1`. The Kronecker structure acts on the weight
+    in `(in, out)` orientation with the bias as an extra row, so both weight layouts (`"in_out"`,
+    `y = x @ w`; `"out_in"`, `y = x @ w.T` as in `eqx.nn.Linear`) map onto the parameters'
+    row-major flattening correctly.
+
+    **Fields:**
+
+    - `spec`: the layer's `LayerSpec` (static).
+    """
+
+    spec: LayerSpec = eqx.field(static=True)
+    supported_tags: ClassVar[frozenset[str] | None] = frozenset({"dense"})
+
+    def _check_spec(self) -> None:
+        check_dense_spec(self)
+
+    @property
+    def factor_dims(self) -> tuple[int, ...]:
+        _, has_bias, n_in, n_out = dense_layout(self.spec)
+        return (n_in + has_bias, n_out)
+
+    def _params_to_array(self, vector: tuple[Array, ...]) -> Array:
+        in_out, has_bias, _, _ = dense_layout(self.spec)
+        weight = vector[0] if in_out else vector[0].T
+        if not has_bias:
+            return weight
+        return jnp.concatenate([weight, vector[1][None, :]], axis=0)
+
+    def _array_to_params(self, array: Array) -> tuple[Array, ...]:
+        in_out, has_bias, n_in, _ = dense_layout(self.spec)
+        weight = array[:n_in]
+        params = (weight if in_out else weight.T,)
+        if has_bias:
+            params += (array[n_in],)
+        return params
+
+    # An `(out, in)` weight (`eqx.nn.Linear`) is used as it is, with the bias as an extra column:
+    # transposing it into the canonical `(in + 1, out)` array would copy it in every product.
+
+    def _params_to_product_array(self, vector: tuple[Array, ...]) -> tuple[Array, tuple[int, ...]]:
+        in_out, has_bias, _, _ = dense_layout(self.spec)
+        if in_out:
+            return super()._params_to_product_array(vector)
+        weight = vector[0]
+        if has_bias:
+            weight = jnp.concatenate([weight, vector[1][:, None]], axis=1)
+        return weight, (1, 0)
+
+    def _product_array_to_params(self, array: Array) -> tuple[Array, ...]:
+        in_out, has_bias, n_in, _ = dense_layout(self.spec)
+        if in_out:
+            return super()._product_array_to_params(array)
+        return (array[:, :n_in], array[:, n_in]) if has_bias else (array,)
+
+    def _factor_statistics(self, data, batch_size) -> tuple[Array, ...]:
+        _, has_bias, n_in, n_out = dense_layout(self.spec)
+        (x,) = data.inputs
+        (dy,) = data.outputs_tangent
+        positions = int(np.prod(x.shape[1:-1], dtype=int))
+        # Explicit sizes: a `-1` cannot be inferred when a layer has zero inputs or outputs.
+        x = jnp.reshape(x.astype(self.dtype), (x.shape[0] * positions, n_in))
+        if has_bias:
+            x = jnp.concatenate([x, jnp.ones((x.shape[0], 1), self.dtype)], axis=1)
+        dy = jnp.reshape(dy.astype(self.dtype), (int(np.prod(dy.shape[:-1], dtype=int)), n_out))
+        return (x.T @ x / (batch_size * positions), dy.T @ dy / batch_size)
+

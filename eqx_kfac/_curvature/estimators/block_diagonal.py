@@ -1,0 +1,321 @@
+"""`BlockDiagonalCurvature`: one curvature block per registered layer (K-FAC by default)."""
+
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import lineax as lx
+from jax.typing import ArrayLike
+from jaxtyping import PRNGKeyArray
+
+from ..blocks import (
+    CurvatureBlock,
+    DenseTwoKroneckerFactored,
+    EmbeddingKroneckerFactored,
+    NaiveDiagonal,
+    ScaleAndShiftDiagonal,
+)
+from ..blocks._solver_cache import check_solver_choice, SolverChoice
+from ..blocks.conv2d import Conv2DTwoKroneckerFactored
+from ..._tracing.graph_matcher import auto_register_tags as _auto_register_tags
+from ..._tracing.layer_data import EstimationData, LayerSpec
+from ..._tracing.tracer import layer_tags_vjp, trace
+from .fallbacks import check_on_unmatched, report_fallbacks
+from .base import (
+    AbstractCurvatureEstimator,
+    EstimatorState,
+    parameter_layout,
+)
+from .modes import (
+    ESTIMATION_MODES,
+    check_estimation_mode,
+    loss_space_vectors,
+)
+
+
+BlockCtor = Callable[[LayerSpec], CurvatureBlock]
+
+DEFAULT_TAG_TO_BLOCK_CTOR: Mapping[str, BlockCtor] = {
+    "dense": DenseTwoKroneckerFactored,
+    "conv2d": Conv2DTwoKroneckerFactored,
+    "scale_and_shift": ScaleAndShiftDiagonal,
+    "generic": NaiveDiagonal,
+    "embedding": EmbeddingKroneckerFactored,
+}
+
+
+def _choose_ctor(
+    spec: LayerSpec,
+    layer_tag_to_block_ctor: Mapping[str, BlockCtor],
+    index_to_block_ctor: Mapping[Any, BlockCtor],
+) -> BlockCtor:
+    for key in (tuple(spec.param_indices), *spec.param_paths):
+        if key in index_to_block_ctor:
+            return index_to_block_ctor[key]
+    if spec.tag in layer_tag_to_block_ctor:
+        return layer_tag_to_block_ctor[spec.tag]
+    if spec.tag in DEFAULT_TAG_TO_BLOCK_CTOR:
+        return DEFAULT_TAG_TO_BLOCK_CTOR[spec.tag]
+    raise ValueError(
+        f"No curvature block for the {spec.describe}: tag {spec.tag!r} has no default block. Pass "
+        f"`layer_tag_to_block_ctor={{{spec.tag!r}: SomeBlock}}` (or an `index_to_block_ctor` "
+        "entry for this layer)."
+    )
+
+
+def _check_override_keys(
+    specs: Sequence[LayerSpec],
+    index_to_block_ctor: Mapping[Any, BlockCtor],
+) -> None:
+    known = {tuple(s.param_indices) for s in specs} | {p for s in specs for p in s.param_paths}
+    unknown = [k for k in index_to_block_ctor if k not in known]
+    if unknown:
+        layers = "; ".join(f"{tuple(s.param_indices)} = {', '.join(s.param_paths)}" for s in specs)
+        raise ValueError(
+            f"index_to_block_ctor has keys {unknown} that match no layer. Keys are a layer's tuple "
+            f"of parameter-leaf indices or one of its parameter paths. The layers are: {layers}."
+        )
+
+
+def _takes_solver(block: CurvatureBlock) -> bool:
+    return any(f.name == "solver" for f in dataclasses.fields(block))
+
+
+def _with_solvers(
+    blocks: tuple[CurvatureBlock, ...], choice: SolverChoice | None
+) -> tuple[CurvatureBlock, ...]:
+    """The blocks with their `solver` field set as `inverse_solver` says."""
+    if choice is None:
+        return blocks
+    if isinstance(choice, lx.AbstractLinearSolver):
+        # One solver for all: it applies to the blocks that take one; the others keep theirs.
+        if not any(_takes_solver(b) for b in blocks):
+            raise ValueError(
+                "BlockDiagonalCurvature(inverse_solver=...): no block takes a solver (only "
+                "`Full` and `KroneckerFactored` blocks do); the blocks are: "
+                f"{'; '.join(f'{type(b).__name__} for the {b.spec.describe}' for b in blocks)}. "
+                "Drop inverse_solver or choose such blocks with `layer_tag_to_block_ctor`."
+            )
+        return tuple(
+            dataclasses.replace(b, solver=choice) if _takes_solver(b) else b for b in blocks
+        )
+    if isinstance(choice, tuple):
+        if len(choice) != len(blocks):
+            listing = "; ".join(
+                f"[{i}] {type(b).__name__} for the {b.spec.describe}" for i, b in enumerate(blocks)
+            )
+            raise ValueError(
+                f"BlockDiagonalCurvature(inverse_solver=...) has {len(choice)} entries but there "
+                f"are {len(blocks)} blocks: {listing}. Pass one solver (or None) per block, in "
+                "this order, or a function from a block to its solver."
+            )
+        solvers = choice
+    else:
+        solvers = tuple(choice(b) for b in blocks)
+    new_blocks = []
+    for i, (block, solver) in enumerate(zip(blocks, solvers)):
+        if solver is None:
+            new_blocks.append(block)
+        elif not isinstance(solver, lx.AbstractLinearSolver):
+            raise TypeError(
+                f"BlockDiagonalCurvature(inverse_solver=...): the solver chosen for block {i} "
+                f"({type(block).__name__} for the {block.spec.describe}) is a "
+                f"{type(solver).__name__}, not a lineax solver; return a lineax solver or None."
+            )
+        elif not _takes_solver(block):
+            raise ValueError(
+                f"BlockDiagonalCurvature(inverse_solver=...): block {i}, {type(block).__name__} "
+                f"for the {block.spec.describe}, has no `solver` field (only `Full` and "
+                "`KroneckerFactored` blocks take one). Give None for this block, or choose a "
+                "block that takes a solver for this layer with `layer_tag_to_block_ctor`."
+            )
+        else:
+            new_blocks.append(dataclasses.replace(block, solver=solver))
+    return tuple(new_blocks)
+
+
+class BlockDiagonalCurvature(AbstractCurvatureEstimator):
+    """A block-diagonal curvature estimate with one block per registered layer.
+
+    At construction the function is traced once on `example_args` (arrays or
+    `jax.ShapeDtypeStruct`s): layers are found (automatically through graph patterns unless
+    `auto_register_tags=False`, and from manual `register_*` calls), each gets a curvature block
+    (K-FAC for dense and conv2d layers, diagonal for scale-and-shift and generic parameters, or
+    what the overrides say), and every parameter leaf not claimed by a layer gets a generic block.
+    The estimator is immutable afterwards; its state is a separate `EstimatorState`.
+
+    Layers applied inside `jax.lax.scan` over stacked parameters get one block per slice (the
+    block is vmapped over the stack axis).
+    """
+
+    func: Callable[..., Any] = eqx.field(static=True)
+    params_index: int = eqx.field(static=True)
+    default_estimation_mode: str = eqx.field(static=True)
+    blocks: tuple[CurvatureBlock, ...]
+    params_treedef: jax.tree_util.PyTreeDef = eqx.field(static=True)
+    param_paths: tuple[str, ...] = eqx.field(static=True)
+    param_shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        example_args: Sequence[Any],
+        *,
+        params_index: int = 0,
+        default_estimation_mode: str = "fisher_gradients",
+        layer_tag_to_block_ctor: Mapping[str, BlockCtor] | None = None,
+        index_to_block_ctor: Mapping[Any, BlockCtor] | None = None,
+        auto_register_tags: bool = True,
+        inverse_solver: SolverChoice | None = None,
+        on_unmatched: str = "warn",
+        **auto_register_kwargs: Any,
+    ):
+        """**Arguments:**
+
+        - `func`: the loss function; it must register at least one loss (e.g.
+          `register_softmax_cross_entropy_loss`).
+        - `example_args`: example arguments of `func` (arrays or `jax.ShapeDtypeStruct`s), used to
+          trace it once.
+        - `params_index`: position of the parameters among the arguments of `func`.
+        - `default_estimation_mode`: the mode used when `update_curvature_matrix_estimate` gets
+          none; one of `fisher_gradients`, `fisher_empirical`, `fisher_exact`,
+          `fisher_curvature_prop`, `ggn_exact`, `ggn_curvature_prop`.
+        - `layer_tag_to_block_ctor`: block class (or any `LayerSpec -> CurvatureBlock` callable)
+          per tag name (`"dense"`, `"conv2d"`, `"scale_and_shift"`, `"generic"`, or a custom tag),
+          overriding the defaults.
+        - `index_to_block_ctor`: block class per layer, keyed by the layer's tuple of parameter-leaf
+          indices (as kfac-jax) or by one of its parameter paths (e.g. `"layers[0].weight"`); takes
+          precedence over `layer_tag_to_block_ctor`.
+        - `auto_register_tags`: find layers automatically with the graph patterns.
+        - `inverse_solver`: the lineax solver the blocks use for their power `-1` (cached or
+          not, exact or approximate): `None` (each block's built-in method), one solver (for
+          every block that takes one: the `Full` and `KroneckerFactored` families), a sequence
+          with one solver or `None` per block (in the order of `blocks`), or a function from a
+          block to its solver or `None`. E.g. `eqx_kfac.KroneckerEigenSolver()`,
+          `eqx_kfac.KroneckerPiAdjustedSolver()`, `lineax.Cholesky()`,
+          `lineax.CG(rtol, atol)`. A failed solve (e.g. CG out of steps) gives NaNs.
+        - `on_unmatched`: what to do when a parameter falls back to a generic block because no
+          layer accounts for it (no pattern matched its use, it is used in more than one place,
+          or nothing registered it): `"warn"` (a `UserWarning` naming the parameters),
+          `"error"` (a `ValueError`) or `"ignore"`. A `register_generic` call is no fallback.
+        - `**auto_register_kwargs`: passed to `auto_register_tags` (e.g. `register_only_generic`,
+          `patterns_to_skip`, `graph_patterns`).
+        """
+        if default_estimation_mode not in ESTIMATION_MODES:
+            raise ValueError(
+                f"Unknown default_estimation_mode {default_estimation_mode!r}; expected one of "
+                f"{', '.join(ESTIMATION_MODES)}."
+            )
+        if auto_register_kwargs and not auto_register_tags:
+            raise ValueError(
+                f"Got auto-registration arguments {sorted(auto_register_kwargs)} with "
+                "auto_register_tags=False; drop them or enable auto-registration."
+            )
+        inverse_solver = check_solver_choice(inverse_solver, "BlockDiagonalCurvature")
+        check_on_unmatched(on_unmatched, "BlockDiagonalCurvature")
+        example_args = tuple(example_args)
+        if auto_register_tags:
+            func = _auto_register_tags(
+                func, example_args, params_index=params_index, **auto_register_kwargs
+            )
+        traced = trace(func, example_args, params_index)
+        specs = tuple(traced.layer_specs)
+        report_fallbacks(specs, on_unmatched)
+        index_to_block_ctor = dict(index_to_block_ctor or {})
+        _check_override_keys(specs, index_to_block_ctor)
+        layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
+        self.func = func
+        self.params_index = params_index
+        self.default_estimation_mode = default_estimation_mode
+        self.blocks = _with_solvers(
+            tuple(_choose_ctor(s, layer_tag_to_block_ctor, index_to_block_ctor)(s) for s in specs),
+            inverse_solver,
+        )
+        self.params_treedef, self.param_paths, self.param_shapes, _ = parameter_layout(
+            example_args[params_index]
+        )
+
+    def _check_same_layers(self, specs: Sequence[LayerSpec]) -> None:
+        def describe(spec: LayerSpec) -> tuple[Any, ...]:
+            return (spec.tag, tuple(spec.param_indices), spec.stack_size)
+
+        built = [describe(b.spec) for b in self.blocks]
+        found = [describe(s) for s in specs]
+        if built != found:
+            built_text = "; ".join(b.spec.describe for b in self.blocks)
+            found_text = "; ".join(s.describe for s in specs)
+            raise ValueError(
+                "The function finds different layers for these arguments than for the example "
+                f"arguments the estimator was built with. Built with: {built_text}. Found now: "
+                f"{found_text}. This happens when the computation changes with the arguments' "
+                "shapes or context (e.g. under `shard_map` with varying-axis checks, where JAX "
+                "inserts `pvary` on the parameters); build the estimator with example arguments "
+                "like these, or register the layers by hand."
+            )
+
+    def update_curvature_matrix_estimate(
+        self,
+        state: EstimatorState,
+        ema_old: ArrayLike,
+        ema_new: ArrayLike,
+        batch_size: ArrayLike,
+        rng: PRNGKeyArray,
+        func_args: Sequence[Any],
+        estimation_mode: str | None = None,
+        *,
+        axis_name: Hashable | None = None,
+    ) -> EstimatorState:
+        """Folds the curvature of one batch into every block's moving averages.
+
+        One forward pass records every layer's inputs and outputs; one `vmap`ped backward pass
+        pulls the estimation mode's loss-space vectors back to every layer's outputs and
+        parameters.
+
+        **Arguments:**
+
+        - `state`: the estimator's state.
+        - `ema_old`: decay of the old estimate (`0` replaces it).
+        - `ema_new`: weight of the new estimate.
+        - `batch_size`: the number of examples in `func_args` (statistics are divided by it).
+        - `rng`: PRNG key for the sampled estimation modes.
+        - `func_args`: the arguments of `func` for this batch (same structure and shapes as
+          `example_args`).
+        - `estimation_mode`: one of the estimation modes; `None` uses `default_estimation_mode`.
+        - `axis_name`: inside `shard_map`/`pmap` over a batch split across devices, the mapped axis
+          name: the new statistics are averaged over it (`batch_size` is then per device).
+
+        **Returns:**
+
+        The updated state (caches untouched).
+        """
+        mode = estimation_mode or self.default_estimation_mode
+        func_args = tuple(func_args)
+        self._check_same_layers(trace(self.func, func_args, self.params_index).layer_specs)
+        losses, layer_data, vjp = layer_tags_vjp(self.func, params_index=self.params_index)(
+            func_args
+        )
+        check_estimation_mode(mode, losses)
+        # The empirical Fisher's extra 1/B is over the global batch: the per-device statistics
+        # are averaged over devices afterwards, which supplies the per-device 1/B only.
+        global_batch = batch_size if axis_name is None else batch_size * jax.lax.axis_size(axis_name)
+        vectors = loss_space_vectors(mode, losses, rng, global_batch)
+        tangents = jax.vmap(vjp)(vectors)
+        new_states = []
+        for block, block_state, data, (outputs_tangent, params_tangent) in zip(
+            self.blocks, state.block_states, layer_data, tangents, strict=True
+        ):
+            data = EstimationData(
+                params=data.params,
+                inputs=data.inputs,
+                outputs=data.outputs,
+                outputs_tangent=tuple(outputs_tangent),
+                params_tangent=tuple(params_tangent),
+            )
+            new_states.append(
+                block.update_curvature_matrix_estimate(
+                    block_state, data, ema_old, ema_new, batch_size
+                )
+            )
+        return self._updated_state(new_states, axis_name)

@@ -1,0 +1,109 @@
+"""Checks of a loss function against its registrations, for the user mistakes that otherwise
+fail silently (K-FAC then diverges or learns nothing, with no error).
+
+- **A loss summed over the batch.** K-FAC's curvature is that of the registered losses averaged
+  over the batch; a loss summed over it has gradients `B` times larger than the curvature
+  expects, and the steps are `B` times too long.
+- **A batch size that is not the registrations'.** Curvature statistics are divided by the batch
+  size; an extractor that reads it off the wrong array (e.g. the first weight of a frozen model
+  passed in the batch) scales the curvature wrongly.
+"""
+
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..._tracing.tracer import loss_tags_vjp, trace
+from .fallbacks import user_stacklevel
+
+
+@eqx.filter_jit
+def _returned_and_registered(func, loss_of, func_args, params_index):
+    returned = loss_of(func(*func_args))
+    losses, _ = loss_tags_vjp(func, params_index)(func_args)
+    return returned, sum(jnp.sum(loss.evaluate()) for loss in losses)
+
+
+def check_loss_is_averaged(
+    func: Callable[..., Any],
+    loss_of: Callable[[Any], Any],
+    func_args: Sequence[Any],
+    batch_size: int,
+    params_index: int = 0,
+) -> None:
+    """Raises `ValueError` when `func` returns its registered losses summed over the batch.
+
+    Evaluates the function once (compiled) on concrete arguments. The loss counts as summed when
+    it is within 5% of `batch_size` times the registered losses' mean and far from the mean
+    itself; a regulariser or other terms added to the loss leave room for that. Skipped when the
+    registered losses have no targets (they cannot be evaluated) or the batch has one example.
+
+    **Arguments:**
+
+    - `func`: the loss function.
+    - `loss_of`: maps `func`'s output to the loss value.
+    - `func_args`: concrete arguments of `func`.
+    - `batch_size`: the number of examples in them.
+    - `params_index`: position of the parameters among the arguments.
+    """
+    if batch_size < 2 or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(func_args)):
+        return
+    try:
+        returned, total = _returned_and_registered(func, loss_of, tuple(func_args), params_index)
+    except ValueError as error:
+        if "has no targets" in str(error):
+            return
+        raise
+    if isinstance(returned, jax.core.Tracer):
+        return  # called inside a trace (e.g. a transformation rebuilt under jit): no values
+    returned, mean = float(returned), float(total) / batch_size
+    if not (np.isfinite(returned) and np.isfinite(mean)) or mean == 0:
+        return
+    if abs(returned / (batch_size * mean) - 1) < 0.05 and abs(returned / mean - 1) > 0.5:
+        raise ValueError(
+            f"The loss function returns {returned:.6g}, {batch_size} (the batch size) times the mean "
+            f"of its registered losses ({mean:.6g}): it sums the losses over the batch. K-FAC "
+            "approximates the curvature of the loss averaged over the batch, so with a summed loss "
+            "every step would be that many times too long. Average the loss over the batch (e.g. "
+            "`jnp.mean` instead of `jnp.sum`), or register the losses with `weight=` the factor "
+            "you sum with."
+        )
+
+
+def check_batch_size(
+    func: Callable[..., Any],
+    func_args: Sequence[Any],
+    batch_size: Any,
+    params_index: int = 0,
+) -> None:
+    """Warns when an explicit batch size differs from the registered losses' batch dimension.
+
+    **Arguments:**
+
+    - `func`: the loss function.
+    - `func_args`: its arguments.
+    - `batch_size`: what the user's `batch_size_extractor` gave (checked when it is a number).
+    - `params_index`: position of the parameters among the arguments.
+    """
+    registered = trace(func, func_args, params_index).loss_batch_size
+    try:
+        given = int(batch_size)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return
+    if given != registered:
+        warnings.warn(
+            f"eqx_kfac: batch_size_extractor gives {given} examples, but the registered losses' "
+            f"inputs have {registered} along their leading (batch) dimension. Curvature statistics "
+            "are divided by the batch size, so they would be scaled by "
+            f"{registered / given:.4g}. Check what the extractor reads (`default_batch_size_extractor` "
+            "reads the first array of the batch, which may be a weight of a frozen model passed in "
+            "it), or leave `batch_size_extractor=None` to use the losses' batch dimension.",
+            UserWarning,
+            stacklevel=user_stacklevel(sys._getframe()),
+        )

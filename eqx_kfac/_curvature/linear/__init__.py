@@ -1,0 +1,1 @@
+"""Structured lineax operators (Kronecker, block-diagonal), their factorisations and solvers."""

@@ -1,0 +1,379 @@
+"""Graph patterns: the `GraphPattern` extension point and the default layer patterns.
+
+A [`GraphPattern`][eqx_kfac.GraphPattern] describes a layer by example (a JAX function and example
+shapes); `_graph_matcher` traces it and looks for its equations in a function's jaxpr. The defaults
+cover dense, conv2d and scale-and-shift layers in the forms Equinox and plain JAX emit them (see
+`docs/registration.md` for the table).
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import JaxprEqn
+
+from .tags import LayerTag, conv2d_tag, dense_tag, embedding_tag, scale_and_shift_tag
+
+_ExampleArgs = tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]
+
+
+def _as_struct(x: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), x)
+
+
+class GraphPattern(eqx.Module):
+    """A computation to find in a traced function and the layer tag to bind where it is found.
+
+    This is the extension point for automatic registration of new layer kinds: write the layer's
+    computation as `compute_func`, say which tag it gets and how to read the tag's keyword parameters
+    off the matched equations, and pass the pattern (with the defaults) as `graph_patterns`.
+
+    **Arguments:**
+
+    - `name`: the pattern's name; it becomes the tag's `origin` (shown in the registration report)
+      and is what `patterns_to_skip` refers to.
+    - `tag`: the [`LayerTag`][eqx_kfac.LayerTag] to bind.
+    - `compute_func`: `compute_func(inputs, params) -> outputs`, the layer written with JAX
+      operations, batch dimension first, exactly as it appears in the functions to match (e.g.
+      under `jax.vmap` for an Equinox layer). `inputs` and `outputs` are an array or a tuple of
+      `tag.num_inputs` / `tag.num_outputs` arrays; `params` is a tuple of arrays, in tag order.
+    - `example_args`: one `(inputs, params)` pair, or a sequence of them, of arrays or
+      `jax.ShapeDtypeStruct`s: the pattern is traced once per pair, so give one per form the
+      computation takes (e.g. one per input rank). Only shapes and dtypes are kept.
+    - `parameters_extractor_func`: `f(eqns) -> dict`, from the matched target equations (in jaxpr
+      order) to the tag's keyword parameters (without `origin`, which is the pattern's name).
+      Return `None` to reject the match.
+    - `precedence`: patterns are tried in increasing order of precedence (ties keep their order);
+      give a larger pattern (e.g. with bias) a lower number than the one it contains (without).
+    - `feature_major`: `(inputs, outputs)`, whether the matched inputs (outputs) hold their
+      feature axis first and their batch axes after it. `jax.vmap` leaves the activations of
+      per-example layers that way between bias-free layers (`(out, batch)` instead of
+      `(batch, out)`); the tag receives them with the feature axis moved last, as its
+      registration function expects.
+
+    Example sizes should be distinctive (e.g. 19, 23, not 1 or 2): integer literals and sizes in
+    the pattern that equal a dimension of an example parameter are matched up to the target's
+    parameter shapes (an `eqx.nn.Embedding` lookup contains its table's sizes as constants).
+    """
+
+    name: str = eqx.field(static=True)
+    tag: LayerTag = eqx.field(static=True)
+    compute_func: Callable[..., Any] = eqx.field(static=True)
+    example_args: tuple[_ExampleArgs, ...] = eqx.field(static=True)
+    parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None] = eqx.field(
+        static=True
+    )
+    precedence: int = eqx.field(static=True, default=0)
+    feature_major: tuple[bool, bool] = eqx.field(static=True, default=(False, False))
+
+    def __init__(
+        self,
+        name: str,
+        tag: LayerTag,
+        compute_func: Callable[..., Any],
+        example_args: Any,
+        parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None],
+        precedence: int = 0,
+        feature_major: tuple[bool, bool] = (False, False),
+    ):
+        if isinstance(example_args, tuple) and len(example_args) == 2 and all(
+            hasattr(p, "shape") for p in example_args[1]
+        ):
+            example_args = [example_args]
+        sets = []
+        for inputs, params in example_args:
+            sets.append((_as_struct(inputs), tuple(_as_struct(p) for p in params)))
+        if not sets:
+            raise ValueError(f"GraphPattern {name!r}: give at least one (inputs, params) example.")
+        self.name = name
+        self.tag = tag
+        self.compute_func = compute_func
+        self.example_args = tuple(sets)
+        self.parameters_extractor_func = parameters_extractor_func
+        self.precedence = precedence
+        self.feature_major = (bool(feature_major[0]), bool(feature_major[1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Default patterns
+
+
+def _vmapped(f: Callable[[Any], Any], x: Any, n_batch: int | None = None) -> Any:
+    """Applies a per-example function to `x` with one `vmap` per leading batch axis.
+
+    `n_batch` is the number of batch axes; by default all but the last axis.
+    """
+    for _ in range(x.ndim - 1 if n_batch is None else n_batch):
+        f = jax.vmap(f)
+    return f(x)
+
+
+def _linear_per_example(x, params):
+    w, *b = params
+    return _vmapped(lambda v: w @ v + b[0] if b else w @ v, x)
+
+
+def _linear_feature_major(input_feature_major: bool, output_feature_major: bool, bias: bool):
+    """A per-example `eqx.nn.Linear` as `jax.vmap` emits it when the batch axis of its input
+    (output) sits after the feature axis: the output stays `(out, *batch)` unless it is moved back
+    for the bias (or the end of the `vmap`)."""
+
+    def compute(x, params):
+        w, *b = params
+        contracted = 0 if input_feature_major else x.ndim - 1
+        y = lax.dot_general(w, x, (((1,), (contracted,)), ((), ())))
+        if output_feature_major:
+            return y
+        y = jnp.moveaxis(y, 0, -1)
+        return y + b[0] if bias else y
+
+    return compute
+
+
+def _dense_out_in(x, params):
+    w, *b = params
+    return x @ w.T + b[0] if b else x @ w.T
+
+
+def _dense_in_out(x, params):
+    w, *b = params
+    return x @ w + b[0] if b else x @ w
+
+
+def _conv_per_example(x, params):
+    w, *b = params
+
+    def one(v):
+        y = lax.conv_general_dilated(v[None], w, (1, 1), ((0, 0), (0, 0)))[0]
+        return y + b[0] if b else y
+
+    return jax.vmap(one)(x)
+
+
+def _conv_nhwc(x, params):
+    w, *b = params
+    y = lax.conv_general_dilated(x, w, (1, 1), ((0, 0), (0, 0)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return y + b[0] if b else y
+
+
+def _conv_nchw(x, params):
+    (w,) = params
+    return lax.conv_general_dilated(x, w, (1, 1), ((0, 0), (0, 0)))
+
+
+def _scale_and_shift(has_scale: bool, has_shift: bool) -> Callable[[Any, Any], Any]:
+    def compute(x, params):
+        params = list(params)
+        if has_scale:
+            x = x * params.pop(0)
+        return x + params.pop(0) if has_shift else x
+
+    return compute
+
+
+def _left_broadcast(p: Any, x: Any) -> Any:
+    """`p` aligned with the leading axes of `x` and broadcast along the rest (as Equinox's
+    `left_broadcast_to`, which `eqx.nn.GroupNorm` applies to its channel weight and bias)."""
+    return jnp.broadcast_to(jnp.reshape(p, p.shape + (1,) * (x.ndim - p.ndim)), x.shape)
+
+
+def _leading_scale_and_shift(has_scale: bool, has_shift: bool) -> Callable[[Any, Any], Any]:
+    def one(v, params):
+        params = list(params)
+        if has_scale:
+            v = _left_broadcast(params.pop(0), v) * v
+        return v + _left_broadcast(params.pop(0), v) if has_shift else v
+
+    def compute(x, params):
+        # The examples size batch axes from `_BATCH` and feature axes never, so the batch axes are
+        # the leading ones sized from `_BATCH`.
+        n_batch = next(i for i, d in enumerate(x.shape) if d not in _BATCH)
+        return _vmapped(lambda v: one(v, params), x, n_batch)
+
+    return compute
+
+
+def _leading_meta(has_scale: bool, has_shift: bool) -> Callable[[Sequence[JaxprEqn]], dict[str, Any] | None]:
+    """Reads `param_axes` off the parameters' expansions to `(*param_shape, 1, ..., 1)`: a
+    reshape (`p.reshape(c, 1, 1)`) or a broadcast of the parameter's own axes (`p[:, None, None]`).
+    """
+
+    def extract(eqns):
+        found = set()
+        for eqn in eqns:
+            name = eqn.primitive.name
+            if name not in ("reshape", "broadcast_in_dim"):
+                continue
+            shape = tuple(eqn.invars[0].aval.shape)
+            new = tuple(int(d) for d in eqn.outvars[0].aval.shape)
+            if name == "broadcast_in_dim" and tuple(eqn.params["broadcast_dimensions"]) != tuple(
+                range(len(shape))
+            ):
+                continue  # the broadcast of the expanded parameter against the activations
+            # The pattern compares shapes by rank only: any other target shape of that rank
+            # (e.g. `(1, c)` instead of `(c, 1)`) aligns the parameter differently.
+            if new != shape + (1,) * (len(new) - len(shape)):
+                if name == "reshape":
+                    return None
+                continue
+            found.add(tuple(range(-len(new), len(shape) - len(new))))
+        if len(found) != 1:
+            return None
+        return dict(has_scale=has_scale, has_shift=has_shift, param_axes=found.pop())
+
+    return extract
+
+
+def _fixed_meta(**meta: Any) -> Callable[[Sequence[JaxprEqn]], dict[str, Any]]:
+    """An extractor for patterns whose tag parameters do not depend on the matched equations."""
+    return lambda eqns: dict(meta)
+
+
+def _conv_meta(has_bias: bool) -> Callable[[Sequence[JaxprEqn]], dict[str, Any] | None]:
+    def extract(eqns):
+        (conv,) = [e for e in eqns if e.primitive.name == "conv_general_dilated"]
+        p = conv.params
+        if p["batch_group_count"] != 1:
+            return None
+        return dict(
+            window_strides=tuple(int(s) for s in p["window_strides"]),
+            padding=tuple((int(lo), int(hi)) for lo, hi in p["padding"]),
+            lhs_dilation=tuple(int(s) for s in p["lhs_dilation"]),
+            rhs_dilation=tuple(int(s) for s in p["rhs_dilation"]),
+            dimension_numbers=p["dimension_numbers"],
+            feature_group_count=int(p["feature_group_count"]),
+            has_bias=has_bias,
+        )
+
+    return extract
+
+
+def _embedding_per_example(ids, params):
+    (table,) = params
+    return _vmapped(eqx.nn.Embedding(weight=table), ids, ids.ndim)
+
+
+def _f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+# Batch sizes, feature sizes and ranks are all distinct so that no example shape is ambiguous.
+_BATCH = (7, 11, 13)
+_IN, _OUT = 3, 5
+_VOCABULARY, _EMBEDDING = 23, 19
+
+
+def _dense_examples(
+    weight_shape: tuple[int, int], bias: bool, feature_major: bool = False
+) -> list[_ExampleArgs]:
+    params = (_f32(*weight_shape), _f32(_OUT)) if bias else (_f32(*weight_shape),)
+    if feature_major:
+        return [(_f32(_IN, *_BATCH[:n]), params) for n in (1, 2, 3)]
+    return [(_f32(*_BATCH[:n], _IN), params) for n in (1, 2, 3)]
+
+
+def _conv_examples(x_shape, w_shape, bias_shape) -> list[_ExampleArgs]:
+    params = (_f32(*w_shape), _f32(*bias_shape)) if bias_shape else (_f32(*w_shape),)
+    return [(_f32(*x_shape), params)]
+
+
+_FEATURES = (3, 4, 5, 6)
+
+
+def _leading_scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
+    """Per-example inputs of rank 2 to 4 (e.g. `(channels, *spatial)`) under one or two vmaps,
+    with parameters along their first 1 to rank - 1 axes."""
+    examples = []
+    for n_batch in (1, 2):
+        for x_rank in (2, 3, 4):
+            for p_rank in range(1, x_rank):
+                p = _f32(*_FEATURES[:p_rank])
+                examples.append((_f32(*_BATCH[:n_batch], *_FEATURES[:x_rank]), (p,) * n_params))
+    return examples
+
+
+def _scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
+    examples = []
+    for x_rank in (2, 3, 4):
+        for p_rank in range(1, x_rank):
+            x_shape = (*_BATCH[: x_rank - p_rank], *(_IN + 2 * i for i in range(p_rank)))
+            p = _f32(*x_shape[x_rank - p_rank :])
+            examples.append((_f32(*x_shape), (p,) * n_params))
+    return examples
+
+
+def _make_default_patterns() -> tuple[GraphPattern, ...]:
+    patterns = []
+    for bias in (True, False):
+        suffix, precedence = ("with_bias", 0) if bias else ("no_bias", 1)
+        for name, func, w_shape, layout in (
+            ("linear", _linear_per_example, (_OUT, _IN), "out_in"),
+            ("dense_out_in", _dense_out_in, (_OUT, _IN), "out_in"),
+            ("dense_in_out", _dense_in_out, (_IN, _OUT), "in_out"),
+        ):
+            meta = _fixed_meta(weight_layout=layout, has_bias=bias)
+            examples = _dense_examples(w_shape, bias)
+            patterns.append(GraphPattern(f"{name}_{suffix}", dense_tag, func, examples, meta, precedence))
+        # Between per-example layers without bias, `vmap` keeps activations feature-major.
+        meta = _fixed_meta(weight_layout="out_in", has_bias=bias)
+        layouts = [(True, False)] + ([] if bias else [(False, True), (True, True)])
+        for input_major, output_major in layouts:
+            name = {(True, False): "linear_from", (False, True): "linear_to", (True, True): "linear"}[
+                (input_major, output_major)
+            ] + "_feature_major"
+            patterns.append(
+                GraphPattern(
+                    f"{name}_{suffix}", dense_tag, _linear_feature_major(input_major, output_major, bias),
+                    _dense_examples((_OUT, _IN), bias, input_major), meta, precedence,
+                    feature_major=(input_major, output_major),
+                )
+            )
+        for name, func, x_shape, w_shape, b_shape in (
+            ("conv2d", _conv_per_example, (2, _IN, 8, 9), (_OUT, _IN, 3, 2), (_OUT, 1, 1)),
+            ("conv2d_nhwc", _conv_nhwc, (2, 8, 9, _IN), (3, 2, _IN, _OUT), (_OUT,)),
+        ):
+            examples = _conv_examples(x_shape, w_shape, b_shape if bias else None)
+            patterns.append(GraphPattern(f"{name}_{suffix}", conv2d_tag, func, examples, _conv_meta(bias), precedence))
+    patterns.append(
+        GraphPattern(
+            "conv2d_nchw_no_bias", conv2d_tag, _conv_nchw,
+            _conv_examples((2, _IN, 8, 9), (_OUT, _IN, 3, 2), None), _conv_meta(False), 2,
+        )
+    )
+    for name, has_scale, has_shift, precedence in (
+        ("scale_and_shift", True, True, 0),
+        ("scale_only", True, False, 1),
+        ("shift_only", False, True, 1),
+    ):
+        patterns.append(
+            GraphPattern(
+                name, scale_and_shift_tag, _scale_and_shift(has_scale, has_shift),
+                _scale_and_shift_examples(has_scale + has_shift),
+                _fixed_meta(has_scale=has_scale, has_shift=has_shift, param_axes=None), precedence,
+            )
+        )
+        patterns.append(
+            GraphPattern(
+                f"leading_{name}", scale_and_shift_tag, _leading_scale_and_shift(has_scale, has_shift),
+                _leading_scale_and_shift_examples(has_scale + has_shift),
+                _leading_meta(has_scale, has_shift), precedence,
+            )
+        )
+    # `eqx.nn.Embedding` contains its table's sizes as constants; they match any table's sizes
+    # (see `GraphPattern`), so these distinctive example sizes stand for all of them.
+    table = _f32(_VOCABULARY, _EMBEDDING)
+    patterns.append(
+        GraphPattern(
+            "embedding", embedding_tag, _embedding_per_example,
+            [(jax.ShapeDtypeStruct(_BATCH[:n], jnp.int32), (table,)) for n in (1, 2)], _fixed_meta(),
+        )
+    )
+    return tuple(patterns)
+
+
+DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _make_default_patterns()
+"""The patterns `auto_register_tags` uses by default (see the module docstring of `_graph_matcher`)."""

@@ -1,0 +1,155 @@
+"""The `register_*` functions: bind a loss to the `loss_tag` primitive for the tracer."""
+
+from jaxtyping import Array, ArrayLike, Bool, Float, Real
+
+from .. import tags as _tags
+from .base import LossFunction
+from .logits import (
+    CategoricalLogitsNegativeLogProbLoss,
+    MultiBernoulliNegativeLogProbLoss,
+    OneHotCategoricalLogitsNegativeLogProbLoss,
+)
+from .normal import NormalMeanNegativeLogProbLoss
+
+
+def _register(loss: LossFunction) -> Array:
+    return _tags.loss_tag.bind(loss)[0]
+
+
+def register_normal_predictive_distribution(
+    mean: Float[Array, "*batch d"],
+    targets: Float[Array, "*batch d"] | None = None,
+    variance: Real[ArrayLike, ""] = 0.5,
+    weight: Real[ArrayLike, ""] = 1.0,
+) -> Float[Array, "*batch d"]:
+    """Registers a normal predictive distribution with fixed scalar variance.
+
+    This is the loss `weight * ‖t - mean‖² / (2 variance)` (plus a constant log-normaliser),
+    the norm over the last axis, averaged over the batch. The default
+    `variance=0.5` makes it the squared error `weight * ‖t - mean‖²`.
+
+    **Arguments:**
+
+    - `mean`: the model's output, shape `(batch, ..., d)`.
+    - `targets`: optional targets of the same shape (needed for `fisher_empirical`).
+    - `variance`: the scalar variance, independent of the parameters.
+    - `weight`: scalar coefficient of the loss, independent of the parameters.
+
+    **Returns:** `mean`, unchanged (use the returned value: it carries the registration).
+    """
+    loss = NormalMeanNegativeLogProbLoss(mean, targets, variance=variance, weight=weight)
+    return _register(loss)
+
+
+def register_squared_error_loss(
+    prediction: Float[Array, "*batch d"],
+    targets: Float[Array, "*batch d"] | None = None,
+    weight: Real[ArrayLike, ""] = 1.0,
+) -> Float[Array, "*batch d"]:
+    """Registers the squared error loss `weight * ‖t - prediction‖²`, averaged over the batch.
+
+    The squared norm sums over the last axis only: a loss averaged over output coordinates too
+    (`jnp.mean((t - p) ** 2)`) is registered with `weight = 1 / d`; one with a `1/2` coefficient
+    with `weight = 0.5`. Its curvature with respect to `prediction` is `2 * weight * I` per
+    example (a normal with variance `1/2`).
+
+    **Arguments:**
+
+    - `prediction`: the model's output, shape `(batch, ..., d)`.
+    - `targets`: optional targets of the same shape (needed for `fisher_empirical`).
+    - `weight`: scalar coefficient of the loss, independent of the parameters.
+
+    **Returns:** `prediction`, unchanged.
+    """
+    loss = NormalMeanNegativeLogProbLoss(
+        prediction, targets, variance=0.5, weight=weight, normalize_log_prob=False
+    )
+    return _register(loss)
+
+
+def register_multi_bernoulli_predictive_distribution(
+    logits: Float[Array, "*batch d"],
+    targets: Real[Array, "*batch d"] | None = None,
+    weight: Real[ArrayLike, ""] = 1.0,
+    *,
+    mask: Real[Array, "*batch d"] | Bool[Array, "*batch d"] | None = None,
+) -> Float[Array, "*batch d"]:
+    """Registers independent Bernoulli outputs given by logits.
+
+    This is the loss `weight * Σ_i sigmoid_cross_entropy(l_i, t_i)`, summed over the last axis and
+    averaged over the batch.
+
+    **Arguments:**
+
+    - `logits`: the model's output, shape `(batch, ..., d)`.
+    - `targets`: optional targets of the same shape (needed for `fisher_empirical`).
+    - `weight`: scalar coefficient of the loss, independent of the parameters.
+    - `mask`: optional 0/1 mask of the shape of `logits`; masked outputs contribute nothing.
+
+    **Returns:** `logits`, unchanged.
+    """
+    loss = MultiBernoulliNegativeLogProbLoss(logits, targets, mask=mask, weight=weight)
+    return _register(loss)
+
+
+def register_sigmoid_cross_entropy_loss(
+    logits: Float[Array, "*batch d"],
+    targets: Real[Array, "*batch d"] | None = None,
+    weight: Real[ArrayLike, ""] = 1.0,
+    *,
+    mask: Real[Array, "*batch d"] | Bool[Array, "*batch d"] | None = None,
+) -> Float[Array, "*batch d"]:
+    """Registers a sigmoid cross-entropy loss (the same curvature as a multi-Bernoulli).
+
+    **Arguments:** as for `register_multi_bernoulli_predictive_distribution`.
+
+    **Returns:** `logits`, unchanged.
+    """
+    return register_multi_bernoulli_predictive_distribution(logits, targets, weight, mask=mask)
+
+
+def register_categorical_predictive_distribution(
+    logits: Float[Array, "*batch classes"],
+    targets: Real[Array, "*batch"] | Real[Array, "*batch classes"] | None = None,
+    mask: Real[Array, "*batch"] | Bool[Array, "*batch"] | None = None,
+    weight: Real[ArrayLike, ""] = 1.0,
+) -> Float[Array, "*batch classes"]:
+    """Registers a categorical predictive distribution given by logits (softmax over the last axis).
+
+    This is the loss `weight * softmax_cross_entropy(logits, targets)` averaged over the batch.
+
+    **Arguments:**
+
+    - `logits`: the model's output, shape `(batch, ..., classes)`.
+    - `targets`: optional integer labels of shape `logits.shape[:-1]`, or one-hot vectors of the
+      shape of `logits` (needed for `fisher_empirical`).
+    - `mask`: optional 0/1 mask of shape `logits.shape[:-1]`; masked examples contribute nothing.
+    - `weight`: scalar coefficient of the loss, independent of the parameters.
+
+    **Returns:** `logits`, unchanged.
+    """
+    if targets is not None and targets.ndim == logits.ndim:
+        loss = OneHotCategoricalLogitsNegativeLogProbLoss(logits, targets, mask, weight)
+    elif targets is None or targets.ndim == logits.ndim - 1:
+        loss = CategoricalLogitsNegativeLogProbLoss(logits, targets, mask, weight)
+    else:
+        raise ValueError(
+            f"Categorical loss: `targets` must be integer labels of shape {logits.shape[:-1]} or "
+            f"one-hot vectors of shape {logits.shape}, got shape {targets.shape}."
+        )
+    return _register(loss)
+
+
+def register_softmax_cross_entropy_loss(
+    logits: Float[Array, "*batch classes"],
+    targets: Real[Array, "*batch"] | Real[Array, "*batch classes"] | None = None,
+    mask: Real[Array, "*batch"] | Bool[Array, "*batch"] | None = None,
+    weight: Real[ArrayLike, ""] = 1.0,
+) -> Float[Array, "*batch classes"]:
+    """Registers a softmax cross-entropy loss (the same curvature as a categorical distribution).
+
+    **Arguments:** as for `register_categorical_predictive_distribution`.
+
+    **Returns:** `logits`, unchanged.
+    """
+    return register_categorical_predictive_distribution(logits, targets, mask, weight)

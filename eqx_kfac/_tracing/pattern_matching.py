@@ -1,0 +1,355 @@
+"""Matching a layer pattern's equations onto a function's jaxpr (see `graph_matcher.py`).
+
+`_Graph` holds a jaxpr's equations as nodes (chains of `broadcast_in_dim` merged into one, `pvary`
+looked through), `_PatternGraph` a traced pattern's; `_Matcher` lays a pattern graph onto a
+target node, walking backwards from the output, and returns the variable bindings.
+"""
+
+import functools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
+
+from .graph_patterns import _ExampleArgs, GraphPattern
+
+
+# ----------------------------------------------------------------------------------------------
+# Graphs: a jaxpr's equations as nodes, with broadcast chains merged.
+
+
+# Live input positions of each equation of one jaxpr (by index) and live output positions.
+_Live = tuple[dict[int, frozenset[int]], frozenset[int]]
+
+
+class _Node:
+    """One equation, or a chain of `broadcast_in_dim`s merged into one broadcast.
+
+    `live_in` holds the positions of `invars` whose values reach a registered loss through it.
+    """
+
+    __slots__ = ("primitive", "params", "invars", "outvars", "eqns", "live_in")
+
+    def __init__(self, primitive, params, invars, outvars, eqns, live_in):
+        self.primitive = primitive
+        self.params = params
+        self.invars = invars
+        self.outvars = outvars
+        self.eqns = eqns
+        self.live_in = live_in
+
+
+_BROADCAST = jax.lax.broadcast_in_dim_p
+
+
+def _as_broadcast(eqn: JaxprEqn) -> tuple[Any, dict[str, Any]]:
+    """The equation's primitive and parameters, with a reshape that only appends unit axes
+    (`(c,) -> (c, 1, 1)`, e.g. `p.reshape(c, 1, 1)`) read as the broadcast that does the same
+    (`p[:, None, None]` emits that), so that both spellings match one pattern."""
+    if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
+        return eqn.primitive, dict(eqn.params)
+    shape, new = tuple(eqn.invars[0].aval.shape), tuple(eqn.params["new_sizes"])
+    if len(new) <= len(shape) or new != shape + (1,) * (len(new) - len(shape)):
+        return eqn.primitive, dict(eqn.params)
+    params = dict(shape=new, broadcast_dimensions=tuple(range(len(shape))), sharding=eqn.params.get("sharding"))
+    return _BROADCAST, params
+
+
+class _Graph:
+    """Nodes of one jaxpr with producer and consumer maps.
+
+    `pvary` equations (which `shard_map` with varying-axis checks puts on replicated values before
+    they meet per-device ones) change no value, so they are no nodes: the nodes read through them
+    (`resolve`). `live` (from `_liveness`) says which uses matter; `None` means all of them.
+    """
+
+    def __init__(self, jaxpr: Jaxpr, live: _Live | None = None):
+        self.pvary: dict[Var, JaxprEqn] = {}
+        eqns = []
+        for i, eqn in enumerate(jaxpr.eqns):
+            if eqn.primitive.name == "pvary":
+                self.pvary[eqn.outvars[0]] = eqn
+            else:
+                eqns.append((i, eqn))
+        resolve = self.resolve
+        raw_uses: dict[Var, int] = {}
+        for v in [*(resolve(v) for _, e in eqns for v in e.invars), *map(resolve, jaxpr.outvars)]:
+            if isinstance(v, Var):
+                raw_uses[v] = raw_uses.get(v, 0) + 1
+        self.nodes: list[_Node] = []
+        self.producer: dict[Var, tuple[_Node, int]] = {}
+        for i, eqn in eqns:
+            live_in = frozenset(range(len(eqn.invars))) if live is None else live[0][i]
+            invars = [resolve(v) for v in eqn.invars]
+            primitive, params = _as_broadcast(eqn)
+            node = _Node(primitive, params, invars, list(eqn.outvars), (eqn,), live_in)
+            if primitive is _BROADCAST and len(eqn.invars) == 1:
+                node.params["broadcast_dimensions"] = tuple(int(d) for d in node.params["broadcast_dimensions"])
+                (src,) = invars
+                prev = self.producer.get(src) if isinstance(src, Var) else None
+                if prev is not None and prev[0].primitive is _BROADCAST and raw_uses[src] == 1:
+                    inner = prev[0]
+                    dims = node.params["broadcast_dimensions"]
+                    node.params["broadcast_dimensions"] = tuple(
+                        dims[d] for d in inner.params["broadcast_dimensions"]
+                    )
+                    node.invars = inner.invars
+                    node.eqns = (*inner.eqns, eqn)
+                    node.live_in = inner.live_in
+                    self.nodes.remove(inner)
+            self.nodes.append(node)
+            for k, v in enumerate(node.outvars):
+                self.producer[v] = (node, k)
+        self.consumers: dict[Var, list[_Node]] = {}
+        for node in self.nodes:
+            for v in node.invars:
+                if isinstance(v, Var):
+                    self.consumers.setdefault(v, []).append(node)
+        self.live_outvars = {
+            resolve(v)
+            for k, v in enumerate(jaxpr.outvars)
+            if isinstance(v, Var) and (live is None or k in live[1])
+        }
+
+    def resolve(self, v: Any) -> Any:
+        """The variable `v` is a `pvary` of (through any number of them), or `v` itself."""
+        while isinstance(v, Var) and v in self.pvary:
+            v = self.pvary[v].invars[0]
+        return v
+
+    def capture_site(self, eqns: Sequence[JaxprEqn], v: Var) -> tuple[JaxprEqn, int]:
+        """An equation among `eqns` (or a `pvary` feeding them) reading `v` itself, and the position.
+
+        A tag records a parameter as the value before its `pvary`s: that is the parameter leaf the
+        tracer attributes the tag to, and the tag takes no gradient through its parameters.
+        """
+        eqn, position = next((e, k) for e in eqns for k, u in enumerate(e.invars) if self.resolve(u) is v)
+        while eqn.invars[position] is not v:
+            eqn, position = self.pvary[eqn.invars[position]], 0
+        return eqn, position
+
+
+class _PatternGraph:
+    """A traced pattern: its graph, which invars are inputs and which are parameters."""
+
+    def __init__(self, pattern: GraphPattern, example: _ExampleArgs):
+        inputs, params = example
+        closed = jax.make_jaxpr(pattern.compute_func)(inputs, params)
+        jaxpr = closed.jaxpr
+        n_in = len(jax.tree.leaves(inputs))
+        if jaxpr.constvars:
+            raise ValueError(
+                f"GraphPattern {pattern.name!r}: compute_func closes over arrays; pass every array "
+                "as an input or a parameter."
+            )
+        self.graph = _Graph(jaxpr)
+        self.inputs = list(jaxpr.invars[:n_in])
+        self.params = list(jaxpr.invars[n_in:])
+        # The parameters' dimensions: sizes a target may differ in (see `_Matcher._sizes_agree`).
+        self.sizes = frozenset(int(d) for v in self.params for d in v.aval.shape if d > 1)
+        self.outvars = list(jaxpr.outvars)
+        unused = [v for v in jaxpr.invars if v not in self.graph.consumers]
+        if unused or len(self.outvars) != pattern.tag.num_outputs:
+            raise ValueError(
+                f"GraphPattern {pattern.name!r}: compute_func must use all its inputs and parameters "
+                f"and return {pattern.tag.num_outputs} output(s) for tag {pattern.tag.name!r}."
+            )
+        if any(not isinstance(v, Var) or v not in self.graph.producer for v in self.outvars):
+            raise ValueError(f"GraphPattern {pattern.name!r}: every output must be computed from the inputs.")
+
+
+@functools.cache
+def _pattern_graphs(pattern: GraphPattern) -> tuple[_PatternGraph, ...]:
+    return tuple(_PatternGraph(pattern, example) for example in pattern.example_args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Matching one pattern graph at one target node.
+
+_IGNORED_PARAMS = frozenset({"precision", "preferred_element_type", "out_sharding", "sharding"})
+_RANK_ONLY_PARAMS = frozenset({"shape", "new_sizes"})
+# Sizes compared like integer literals: equal, or a parameter dimension of the pattern that the
+# target's parameter has at the same place.
+_SIZE_PARAMS = frozenset({"slice_sizes"})
+
+
+def _is_size(value: Any, sizes: frozenset[int] | None) -> bool:
+    """Whether `value` is a non-negative integer scalar (among `sizes`, unless `None`)."""
+    value = np.asarray(value)
+    if value.shape != () or not np.issubdtype(value.dtype, np.integer) or value < 0:
+        return False
+    return sizes is None or int(value) in sizes
+_EXTRACTED_PARAMS = {
+    "conv_general_dilated": frozenset({"window_strides", "padding", "lhs_dilation", "rhs_dilation"}),
+}
+_COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min"})
+
+
+def _same_param(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- arrays and other values without a boolean equality
+        return a is b
+
+
+def _same_node_kind(p: _Node, t: _Node) -> bool:
+    if p.primitive is not t.primitive or len(p.invars) != len(t.invars) or len(p.outvars) != len(t.outvars):
+        return False
+    if set(p.params) != set(t.params):
+        return False
+    skip = _IGNORED_PARAMS | _EXTRACTED_PARAMS.get(p.primitive.name, frozenset())
+    for key, value in p.params.items():
+        if key in skip:
+            continue
+        other = t.params[key]
+        if key in _RANK_ONLY_PARAMS or key in _SIZE_PARAMS:
+            if value is None or other is None:
+                if value is not other:
+                    return False
+            elif len(value) != len(other):
+                return False
+        elif not _same_param(value, other):
+            return False
+    return True
+
+
+class _Binding:
+    """An immutable partial match: pattern variables and nodes to target ones, and the pairs of
+    pattern and target sizes that differ (checked against the parameters' shapes at the end)."""
+
+    __slots__ = ("vars", "bound", "nodes", "sizes")
+
+    def __init__(self, vars_=None, bound=None, nodes=None, sizes=()):
+        self.vars: dict[Var, Any] = vars_ or {}
+        self.bound: frozenset = bound or frozenset()
+        self.nodes: dict[int, _Node] = nodes or {}
+        self.sizes: tuple[tuple[int, int], ...] = sizes
+
+    def bind_var(self, pv: Var, tv: Var) -> "_Binding | None":
+        if tv in self.bound:
+            return None
+        return _Binding({**self.vars, pv: tv}, self.bound | {tv}, self.nodes, self.sizes)
+
+    def bind_node(self, pn: _Node, tn: _Node) -> "_Binding":
+        return _Binding(self.vars, self.bound, {**self.nodes, id(pn): tn}, self.sizes)
+
+    def with_sizes(self, pairs: Iterable[tuple[int, int]]) -> "_Binding":
+        new = tuple((int(a), int(b)) for a, b in pairs if a != b)
+        return _Binding(self.vars, self.bound, self.nodes, self.sizes + new) if new else self
+
+
+class _Matcher:
+    """Matches one pattern graph against one target graph."""
+
+    def __init__(self, pg: _PatternGraph, target: _Graph, allowed_params: dict[Var, Any], claimed: set[int]):
+        self.pg = pg
+        self.target = target
+        self.allowed_params = allowed_params
+        self.claimed = claimed
+
+    def match_at(self, node: _Node) -> _Binding | None:
+        pout = self.pg.outvars[0]
+        pnode, pidx = self.pg.graph.producer[pout]
+        if len(node.outvars) <= pidx:
+            return None
+        for b in self._var(pout, node.outvars[pidx], _Binding()):
+            if all(pv in b.vars for pv in self.pg.outvars) and self._sizes_agree(b) and self._self_contained(b):
+                return b
+        return None
+
+    def _sizes_agree(self, b: _Binding) -> bool:
+        """Whether every pattern size that differs in the target is a parameter dimension of the
+        pattern that the target's parameter has at the same place."""
+        if not b.sizes:
+            return True
+        pairs = {
+            (int(p_dim), int(t_dim))
+            for pv in self.pg.params
+            for p_dim, t_dim in zip(pv.aval.shape, b.vars[pv].aval.shape)
+        }
+        return all(pair in pairs for pair in b.sizes)
+
+    def _self_contained(self, b: _Binding) -> bool:
+        matched = {id(n) for n in b.nodes.values()}
+        outputs = {b.vars[v] for v in self.pg.outvars}
+        for node in b.nodes.values():
+            for v in node.outvars:
+                if v in outputs:
+                    continue
+                if v in self.target.live_outvars:
+                    return False
+                for c in self.target.consumers.get(v, ()):
+                    if id(c) not in matched and any(c.invars[k] is v for k in c.live_in):
+                        return False
+        return True
+
+    def _var(self, pv: Any, tv: Any, b: _Binding) -> Iterator[_Binding]:
+        if isinstance(pv, Literal):
+            if not isinstance(tv, Literal):
+                return
+            if np.array_equal(np.asarray(pv.val), np.asarray(tv.val)):
+                yield b
+            elif _is_size(pv.val, self.pg.sizes) and _is_size(tv.val, None):
+                yield b.with_sizes([(int(pv.val), int(tv.val))])
+            return
+        if isinstance(tv, Literal):
+            return
+        if pv in b.vars:
+            if b.vars[pv] is tv:
+                yield b
+            return
+        if pv.aval.ndim != tv.aval.ndim:
+            return
+        if pv in self.pg.params:
+            if tv in self.allowed_params:
+                nb = b.bind_var(pv, tv)
+                if nb is not None:
+                    yield nb
+            return
+        if pv in self.pg.inputs:
+            if tv not in self.allowed_params:
+                nb = b.bind_var(pv, tv)
+                if nb is not None:
+                    yield nb
+            return
+        pnode, pidx = self.pg.graph.producer[pv]
+        if tv not in self.target.producer:
+            return
+        tnode, tidx = self.target.producer[tv]
+        if pidx != tidx:
+            return
+        yield from self._node(pnode, tnode, b)
+
+    def _node(self, pn: _Node, tn: _Node, b: _Binding) -> Iterator[_Binding]:
+        if id(pn) in b.nodes:
+            if b.nodes[id(pn)] is tn:
+                yield b
+            return
+        if id(tn) in self.claimed or any(n is tn for n in b.nodes.values()) or not _same_node_kind(pn, tn):
+            return
+        nb: _Binding | None = b.bind_node(pn, tn)
+        for key in _SIZE_PARAMS & pn.params.keys():
+            pairs = list(zip(pn.params[key], tn.params[key]))
+            if any(a != t and int(a) not in self.pg.sizes for a, t in pairs):
+                return
+            nb = nb.with_sizes(pairs)
+        for pv, tv in zip(pn.outvars, tn.outvars):
+            if pv.aval.ndim != tv.aval.ndim:
+                return
+            nb = nb.bind_var(pv, tv)
+            if nb is None:
+                return
+        orders = [tn.invars]
+        if pn.primitive.name in _COMMUTATIVE and len(tn.invars) == 2:
+            orders.append(tn.invars[::-1])
+        for tvs in orders:
+            yield from self._seq(pn.invars, tvs, nb)
+
+    def _seq(self, pvs: Sequence[Any], tvs: Sequence[Any], b: _Binding) -> Iterator[_Binding]:
+        if not pvs:
+            yield b
+            return
+        for nb in self._var(pvs[0], tvs[0], b):
+            yield from self._seq(pvs[1:], tvs[1:], nb)
