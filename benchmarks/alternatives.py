@@ -497,7 +497,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-grid", type=int,
                         help="most learning rates per method (default 5, 1 with --quick)")
     parser.add_argument("--plots", help="write choosing_<problem>.png to this folder")
-    parser.add_argument("--save", help="pickle the list of `Outcome`s (every run) to this file")
+    parser.add_argument("--save", help="pickle the list of `Outcome`s (every run) to this file, after each problem")
     args = parser.parse_args(argv)
     args.seeds = args.seeds or (1 if args.quick else 3)
     args.max_grid = args.max_grid or (1 if args.quick else 5)
@@ -520,12 +520,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         setting = SETTINGS[name]
         steps = args.steps or (setting.quick_steps if args.quick else setting.steps)
         outcomes.append(run_problem(name, methods, steps, args.seeds, args.max_grid))
+        # Each problem's rows as soon as it is done (a long run shows its progress).
+        print("\n".join(table(outcomes[-1:]).splitlines()[2:]), flush=True)
         print(summary(outcomes[-1]), flush=True)
         if args.plots:
             plot(outcomes[-1], os.path.join(args.plots, f"choosing_{name}.png"))
-    if args.save:
-        with open(args.save, "wb") as file:
-            pickle.dump(outcomes, file)
+        if args.save:
+            with open(args.save, "wb") as file:
+                pickle.dump(outcomes, file)
     print()
     print(table(outcomes))
     print()
