@@ -5,8 +5,11 @@ The environment must be set before JAX is imported anywhere, so this file sets i
 
 import os
 
+# LLVM without optimisation passes: the suite's time is mostly XLA compiling small programs,
+# which then run for milliseconds (measured: -20% on the testing-kit and solver tests).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

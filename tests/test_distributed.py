@@ -272,8 +272,8 @@ def _free_port():
 def test_two_processes_agree_with_one(tmp_path):
     """Two processes (2 CPU devices each, localhost coordinator) equal one device on the batch."""
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
+    flags = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     env.pop("PYTEST_ADDOPTS", None)
     procs = [
         subprocess.Popen(

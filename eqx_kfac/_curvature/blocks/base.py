@@ -14,7 +14,9 @@ slice** (one ordinary layer):
 - `_init(exact_powers, approx_powers, cache_eigenvalues) -> state`
 - `_update(state, data, ema_old, ema_new, batch_size) -> state`
 - `_update_cache(state, identity_weight, exact_powers, approx_powers, eigenvalues) -> state`
+  (default: nothing is cached)
 - `_multiply_matpower(state, vector, identity_weight, power, exact_power, use_cached) -> vector`
+  (default: the power of `_slice_operator`, right for structures whose powers are exact and cheap)
 - `_eigenvalues(state, use_cached) -> Float[Array, "dim"]`
 - `_to_dense(state) -> Float[Array, "dim dim"]`
 - optionally `_slice_operator(state, identity_weight) -> AbstractSliceCurvatureOperator`: the damped
@@ -46,6 +48,7 @@ from ..curvature_operators import (
     unstack_block_diagonal,
 )
 from ..._tracing.layer_data import EstimationData, LayerSpec
+from ..linear.kronecker import kronecker_eigh
 from .statistics import statistics_dtype
 
 
@@ -487,7 +490,6 @@ class CurvatureBlock(eqx.Module):
     ) -> eqx.Module:
         """Moving-average update of one slice's statistics."""
 
-    @abc.abstractmethod
     def _update_cache(
         self,
         state: eqx.Module,
@@ -496,9 +498,10 @@ class CurvatureBlock(eqx.Module):
         approx_powers: tuple[float, ...],
         eigenvalues: bool,
     ) -> eqx.Module:
-        """Refreshes one slice's caches."""
+        """Refreshes one slice's caches (default: a block that caches nothing)."""
+        del identity_weight, exact_powers, approx_powers, eigenvalues
+        return state
 
-    @abc.abstractmethod
     def _multiply_matpower(
         self,
         state: eqx.Module,
@@ -508,7 +511,10 @@ class CurvatureBlock(eqx.Module):
         exact_power: bool,
         use_cached: bool,
     ) -> tuple[Array, ...]:
-        """`(C + λ I)^p v` for one slice."""
+        """`(C + λ I)^p v` for one slice (default: the power of `_slice_operator`, for blocks
+        whose structure makes every power exact and cheap, such as a diagonal)."""
+        del exact_power, use_cached
+        return self._slice_operator(state, identity_weight).matpower(power).mv(vector)
 
     @abc.abstractmethod
     def _eigenvalues(self, state: eqx.Module, use_cached: bool) -> Array:
@@ -542,3 +548,25 @@ class CurvatureBlock(eqx.Module):
         """Raises `_missing_cache(what, argument)` unless `key` was declared in the cache."""
         if key not in cache:
             raise self._missing_cache(what, argument)
+
+    def _check_eigh_cache(
+        self, cache: dict[str, Any], exact_powers: tuple[float, ...], eigenvalues: bool
+    ) -> None:
+        """Raises `_missing_cache` unless the cache was declared for the eigendecompositions that
+        `exact_powers` and `eigenvalues` ask to refresh (keys `eigenvectors`, `eigenvalues`)."""
+        if exact_powers:
+            self._require_cache(cache, "eigenvectors", f"exact powers {exact_powers}", "exact_powers_to_cache")
+        if eigenvalues:
+            self._require_cache(cache, "eigenvalues", "eigenvalues", "cache_eigenvalues")
+
+    @staticmethod
+    def _store_eigh(
+        cache: dict[str, Any], factors: Sequence[Array], exact_powers: tuple[float, ...], eigenvalues: bool
+    ) -> None:
+        """Stores the factors' eigendecompositions in `cache` when exact powers or eigenvalues are
+        refreshed: the eigenvalues, and for exact powers the eigenvectors (one per factor)."""
+        if exact_powers or eigenvalues:
+            eigh = kronecker_eigh(factors)
+            cache["eigenvalues"] = eigh.eigenvalues
+            if exact_powers:
+                cache["eigenvectors"] = eigh.eigenvectors

@@ -20,7 +20,6 @@ from ._layer_stats import (
 from .base import (
     CurvatureBlock,
     flatten_vector,
-    Power,
 )
 from .statistics import (
     squares_from_samples,
@@ -79,24 +78,6 @@ class Diagonal(CurvatureBlock):
         return DiagonalState(
             diagonals=tuple(d.update(s, ema_old, ema_new) for d, s in zip(state.diagonals, stats))
         )
-
-    def _update_cache(
-        self, state, identity_weight, exact_powers, approx_powers, eigenvalues
-    ) -> DiagonalState:
-        del identity_weight, exact_powers, approx_powers, eigenvalues
-        return state
-
-    def _multiply_matpower(
-        self,
-        state: DiagonalState,
-        vector: tuple[Array, ...],
-        identity_weight: ArrayLike,
-        power: Power,
-        exact_power: bool,
-        use_cached: bool,
-    ) -> tuple[Array, ...]:
-        del exact_power, use_cached
-        return self._slice_operator(state, identity_weight).matpower(power).mv(vector)
 
     def _eigenvalues(self, state: DiagonalState, use_cached: bool) -> Array:
         del use_cached

@@ -24,7 +24,7 @@ from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..linear.kronecker import kronecker_eigh
 from ..linear.operators import KroneckerOperator
 from ._layer_stats import dense_gradient_samples, dense_layout
-from .base import CurvatureBlock, Power
+from .base import CurvatureBlock
 from .statistics import WeightedMovingAverage
 from .conv2d import Conv2DTwoKroneckerFactored, conv_gradient_samples
 from .kronecker import DenseTwoKroneckerFactored, KroneckerFactored, KroneckerLayout
@@ -141,18 +141,6 @@ class AbstractEigenbasisKFAC(CurvatureBlock):
                 value=kfac_values.astype(self.dtype), weight=state.scaling.weight
             ),
         )
-
-    def _multiply_matpower(
-        self,
-        state: EigenbasisState,
-        vector: tuple[Array, ...],
-        identity_weight: ArrayLike,
-        power: Power,
-        exact_power: bool,
-        use_cached: bool,
-    ) -> tuple[Array, ...]:
-        del exact_power, use_cached
-        return self._slice_operator(state, identity_weight).matpower(power).mv(vector)
 
     def _eigenvalues(self, state: EigenbasisState, use_cached: bool) -> Array:
         del use_cached

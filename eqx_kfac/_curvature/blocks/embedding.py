@@ -113,15 +113,8 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
     ) -> EmbeddingState:
         cache = dict(state.cache)
-        if exact_powers and "eigenvectors" not in cache:
-            raise self._missing_cache(f"exact powers {exact_powers}", "exact_powers_to_cache")
-        if eigenvalues and "eigenvalues" not in cache:
-            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
-        if exact_powers or eigenvalues:
-            eigh = kronecker_eigh([state.output_factor.value])
-            cache["eigenvalues"] = eigh.eigenvalues
-            if exact_powers:
-                cache["eigenvectors"] = eigh.eigenvectors
+        self._check_eigh_cache(cache, exact_powers, eigenvalues)
+        self._store_eigh(cache, [state.output_factor.value], exact_powers, eigenvalues)
         for p in approx_powers:
             key = f"approx {power_key(p)}"
             self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")

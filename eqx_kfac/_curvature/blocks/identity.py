@@ -9,7 +9,7 @@ from jaxtyping import Array
 
 from ..curvature_operators import ScaledIdentityCurvatureOperator
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from .base import CurvatureBlock, Power
+from .base import CurvatureBlock
 
 
 class ScaledIdentityState(eqx.Module):
@@ -47,24 +47,6 @@ class ScaledIdentity(CurvatureBlock):
     ) -> ScaledIdentityState:
         del data, ema_old, ema_new, batch_size
         return state
-
-    def _update_cache(
-        self, state, identity_weight, exact_powers, approx_powers, eigenvalues
-    ) -> ScaledIdentityState:
-        del identity_weight, exact_powers, approx_powers, eigenvalues
-        return state
-
-    def _multiply_matpower(
-        self,
-        state: ScaledIdentityState,
-        vector: tuple[Array, ...],
-        identity_weight: ArrayLike,
-        power: Power,
-        exact_power: bool,
-        use_cached: bool,
-    ) -> tuple[Array, ...]:
-        del exact_power, use_cached
-        return self._slice_operator(state, identity_weight).matpower(power).mv(vector)
 
     def _eigenvalues(self, state: ScaledIdentityState, use_cached: bool) -> Array:
         del state, use_cached

@@ -178,18 +178,11 @@ class KroneckerFactored(CurvatureBlock):
             self.solver, exact_powers, approx_powers
         )
         cache = dict(state.cache)
-        if exact_powers and "eigenvectors" not in cache:
-            raise self._missing_cache(f"exact powers {exact_powers}", "exact_powers_to_cache")
-        if eigenvalues and "eigenvalues" not in cache:
-            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
+        self._check_eigh_cache(cache, exact_powers, eigenvalues)
         factors = self._factor_values(state)
         if inverse:
             store_solver_state(self, cache, factors, identity_weight)
-        if exact_powers or eigenvalues:
-            eigh = kronecker_eigh(factors)
-            cache["eigenvalues"] = eigh.eigenvalues
-            if exact_powers:
-                cache["eigenvectors"] = eigh.eigenvectors
+        self._store_eigh(cache, factors, exact_powers, eigenvalues)
         for p in approx_powers:
             key = f"approx {power_key(p)}"
             self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
