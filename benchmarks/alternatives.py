@@ -333,6 +333,10 @@ def run_round(
             )
             run.times.append(seconds)
             run.losses.append(float(loss))
+    # The round's compiled steps are not used again. XLA on CPU maps each compiled kernel into
+    # the process (a K-FAC step has about a thousand), and a process that keeps every round's
+    # programs reaches Linux's limit on memory mappings and dies in the compiler.
+    jax.clear_caches()
     return [
         Run(problem.name, r.method, r.learning_rate, np.asarray(r.losses), np.asarray(r.times),
             r.first_call, seed, np.asarray(r.batch_times))
