@@ -73,10 +73,11 @@ def summary(outcome: "Outcome") -> str:
     kfac = min((m for m in walls if m in KFAC_METHODS), key=walls.get, default=None)
     other = min((m for m in walls if m not in KFAC_METHODS), key=walls.get)
     text = f"{outcome.problem}: first {winner} ({walls[winner]:.1f} s)"
-    if kfac is not None:
-        ratio = walls[other] / walls[kfac] if np.isfinite(walls[kfac]) else 0.0
+    if kfac is not None and np.isfinite(walls[kfac]):
         text += (f"; K-FAC's best {kfac} {walls[kfac]:.1f} s, baselines' best {other} "
-                 f"{walls[other]:.1f} s: {ratio:.2f}x")
+                 f"{walls[other]:.1f} s: {walls[other] / walls[kfac]:.2f}x")
+    elif kfac is not None:
+        text += "; neither K-FAC form reaches the target (median over seeds)"
     return text + f" (target {outcome.target(0):.4f} on seed 0)"
 
 

@@ -128,6 +128,10 @@ def test_target_is_the_best_baseline_and_the_table_reports_it():
     assert outcome.reaches("kfac")[0].steps == 18 and outcome.reaches("muon")[0].steps == 19
     assert outcome.median_wall("muon") < outcome.median_wall("kfac") < np.inf
     assert alternatives.summary(outcome).startswith("p: first muon")
+    assert "K-FAC's best kfac" in alternatives.summary(outcome)
+    seeds["kfac"] = [_run([5.0] * 20, None, "kfac")]
+    never = alternatives.Outcome("p", 20, {m: list(r) for m, r in seeds.items()}, seeds, None)
+    assert "neither K-FAC form reaches the target" in alternatives.summary(never)
     rows = alternatives.table([outcome]).splitlines()
     assert len(rows) == 2 + 3 and rows[2].split("|")[2].strip() == "kfac"
 

@@ -193,7 +193,7 @@ def check_constructor_arguments(
             )
     if use_adaptive_damping and initial_damping is None:
         raise ValueError(
-            "use_adaptive_damping=True needs initial_damping (a good start is 1.0 for a loss "
+            "use_adaptive_damping=True needs initial_damping (a good start is 1e-2 for a loss "
             "of order 1; see the damping advice in the Optimizer docs)."
         )
     if norm_constraint is not None and use_adaptive_learning_rate:
