@@ -8,7 +8,7 @@ are identities for Adam.
 
 - `"adam"`: `optax.adam(learning_rate)`.
 - `"kfac"`: `eqx_kfac.Optimizer` with adaptive learning rate, momentum and damping (initial
-  damping 1, minimum `1e-4` as the Optimizer page advises for minibatch classifiers).
+  damping `1e-2` and minimum `1e-4`, as the Optimizer page advises for minibatches).
 - `"recipe"`: the documented optax recipe, `eqx_kfac.kfac_optax(loss, example_args,
   learning_rate)` (K-FAC preconditioning, a norm constraint, momentum).
 """
