@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 
 import eqx_kfac
-from eqx_kfac._optim.optimizer_compiled import _run_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,13 +93,15 @@ def breakdown(name: str) -> dict[str, tuple[float, float]]:
     batch = problem.next_batch(problem.model, 0, jax.random.key(1), None)
     optimizer = make_optimizer(problem, **options)
     state = optimizer.init(problem.model, jax.random.key(0), batch, func_state=problem.func_state)
-    step_args = (problem.model, state, jax.random.key(2), batch, problem.func_state, (None,) * 3)
-    times = {"step": compile_seconds(lambda o, a: _run_step(o, a, True), optimizer, step_args)}
-    func_args = optimizer._func_args(problem.model, problem.func_state, jax.random.key(3), batch)
+    step_args = (problem.model, state, jax.random.key(2), batch, problem.func_state)
+    times = {"step": compile_seconds(
+        lambda o, a: o.step(a[0], a[1], a[2], batch=a[3], func_state=a[4]), optimizer, step_args
+    )}
+    func_args = optimizer.function.args(problem.model, problem.func_state, jax.random.key(3), batch)
     block_diagonal, implicit = optimizer.estimators(func_args)
     grads = eqx.filter(problem.model, eqx.is_inexact_array)
     estimator_state = state.estimator_state
-    times["value_and_grad"] = compile_seconds(optimizer.value_and_grad_func, *func_args)
+    times["value_and_grad"] = compile_seconds(optimizer.function.value_and_grad, *func_args)
     times["curvature"] = compile_seconds(
         lambda s, args: block_diagonal.update_curvature_matrix_estimate(
             s, 0.95, 1.0, implicit.batch_size(args), jax.random.key(4), args
@@ -116,8 +117,9 @@ def breakdown(name: str) -> dict[str, tuple[float, float]]:
     def quadratic_model(args, g):
         context = eqx_kfac.StepContext(
             jnp.zeros((), int), jnp.zeros((), int), args, jnp.zeros(()), g, block_diagonal,
-            estimator_state, implicit, optimizer.estimation_mode, optimizer.l2_reg, None,
-            optimizer.value_func, lambda out: out, (None, None, None),
+            estimator_state, implicit, optimizer.preconditioner.curvature.estimation_mode,
+            optimizer.l2_reg, None, optimizer.function.value, lambda out: out,
+            eqx_kfac.GivenValues(),
         )
         return eqx_kfac.exact_quadratic_model(context, [g, g])
 

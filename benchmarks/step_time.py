@@ -48,7 +48,6 @@ import jax.numpy as jnp
 import optax
 
 import eqx_kfac
-from eqx_kfac._optim import optimizer_compiled as _optimizer_compiled
 
 try:
     import resource
@@ -161,11 +160,8 @@ def make_runner(method, model, x):
         jax.block_until_ready(carry[0])
 
     def lower():
-        hyper_args = tuple(hyper.get(k) for k in ("learning_rate", "momentum", "damping"))
-        args = (carry[0], carry[1], carry[2], x, None, hyper_args)
-        kept = (None, None) + args[2:]
-        donated = args[:2] + (None,) * 4
-        return _optimizer_compiled._jitted_donating_step.lower(kept, donated, opt, True)
+        step = eqx.filter_jit(lambda p, s, k: opt.step(p, s, k, batch=x, **hyper))
+        return step.lower(carry[0], carry[1], carry[2])
 
     return run, lower
 

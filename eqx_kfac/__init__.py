@@ -95,38 +95,63 @@ from ._curvature.linear.spectral import (
     matpower as matpower,
     trace as trace,
 )
-from ._optim.context import StepContext as StepContext
 from ._optim.damping import (
     AbstractDampingRule as AbstractDampingRule,
+    DampingReport as DampingReport,
+    DampingState as DampingState,
     GivenDamping as GivenDamping,
     LevenbergMarquardtDamping as LevenbergMarquardtDamping,
     ScheduledDamping as ScheduledDamping,
+    StepOutcome as StepOutcome,
 )
 from ._optim.direction import (
     AbstractDirection as AbstractDirection,
+    DirectionOutcome as DirectionOutcome,
     PreconditionedGradient as PreconditionedGradient,
+)
+from ._optim.guard import (
+    GuardDecision as GuardDecision,
+    GuardState as GuardState,
+    StepGuard as StepGuard,
 )
 from ._optim.hyperparameters import (
     AbstractHyperparameter as AbstractHyperparameter,
     AdaptiveHyperparameter as AdaptiveHyperparameter,
+    CoefficientRange as CoefficientRange,
     GivenHyperparameter as GivenHyperparameter,
     ScheduledHyperparameter as ScheduledHyperparameter,
 )
-from ._optim.quadratic import (
-    approximate_quadratic_model as approximate_quadratic_model,
-    exact_quadratic_model as exact_quadratic_model,
-)
-from ._optim.refresh import RefreshSchedule as RefreshSchedule
-from ._optim.quad_model import (
-    QuadraticModel as QuadraticModel,
-    solve_quadratic_model as solve_quadratic_model,
-)
-from ._optim.step_rule import AbstractStepRule as AbstractStepRule, MomentumStep as MomentumStep
-from ._optim.optimizer import Optimizer as Optimizer, OptimizerState as OptimizerState
-from ._optim.optax import (
+from ._optim.optax_transforms import (
     kfac_optax as kfac_optax,
     kfac_preconditioner as kfac_preconditioner,
     KFACPreconditionerState as KFACPreconditionerState,
+    skip_non_finite as skip_non_finite,
+    SkipNonFiniteState as SkipNonFiniteState,
+)
+from ._optim.optimizer import Optimizer as Optimizer
+from ._optim.optimizer_state import ExampleCount as ExampleCount, OptimizerState as OptimizerState
+from ._optim.preconditioner import (
+    CurvatureOptions as CurvatureOptions,
+    Preconditioner as Preconditioner,
+)
+from ._optim.quadratic_model import (
+    approximate_quadratic_model as approximate_quadratic_model,
+    exact_quadratic_model as exact_quadratic_model,
+    QuadraticModel as QuadraticModel,
+    QuadraticModelSolution as QuadraticModelSolution,
+    solve_quadratic_model as solve_quadratic_model,
+)
+from ._optim.refresh import (
+    AbstractRefreshSchedule as AbstractRefreshSchedule,
+    RefreshSchedule as RefreshSchedule,
+)
+from ._optim.step_context import GivenValues as GivenValues, StepContext as StepContext
+from ._optim.step_rule import (
+    AbstractStepRule as AbstractStepRule,
+    MomentumState as MomentumState,
+    MomentumStep as MomentumStep,
+    StepCoefficients as StepCoefficients,
+    StepProposal as StepProposal,
 )
 from ._curvature.patches import (
     patches_moments as patches_moments,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from eqx_kfac._tracing.losses import (
+from eqx_kfac import (
     LossFunction,
     register_sigmoid_cross_entropy_loss,
     register_softmax_cross_entropy_loss,

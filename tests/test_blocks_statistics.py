@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from block_helpers import dense_spec, generic_spec, random_data, scale_shift_spec
-from eqx_kfac._curvature.blocks import (
+from eqx_kfac import (
     DenseDiagonal,
     DenseFull,
     DenseTwoKroneckerFactored,
@@ -17,9 +17,9 @@ from eqx_kfac._curvature.blocks import (
     ScaleAndShiftDiagonal,
     ScaleAndShiftFull,
 )
-from eqx_kfac._curvature.estimators import BlockDiagonalCurvature
-from eqx_kfac._tracing.layer_data import LayerSpec
-from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss
+from eqx_kfac import BlockDiagonalCurvature
+from eqx_kfac import LayerSpec
+from eqx_kfac import register_softmax_cross_entropy_loss
 from models import Problem, block_slices, brute_force_ggn
 
 seeds = st.integers(0, 2**31 - 1)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_kfac._curvature.blocks.conv2d import Conv2DDiagonal, Conv2DFull, Conv2DTwoKroneckerFactored
-from eqx_kfac._tracing.layer_data import EstimationData, LayerSpec
+from eqx_kfac import Conv2DDiagonal, Conv2DFull, Conv2DTwoKroneckerFactored
+from eqx_kfac import EstimationData, LayerSpec
 
 
 def _layer(getkey, *, lhs="NHWC", rhs="HWIO", batch=3, channels=4, spatial=(6, 5), kernel=(3, 2),

@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 import eqx_kfac
 import models
 from eqx_kfac import testing as kt
-from eqx_kfac._curvature.blocks.kronecker import KroneckerLayout
-from eqx_kfac._curvature.curvature_operators import (
+from eqx_kfac import KroneckerLayout
+from eqx_kfac import (
     DiagonalCurvatureOperator,
     EigenbasisCurvatureOperator,
     KroneckerCurvatureOperator,

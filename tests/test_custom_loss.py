@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import eqx_kfac
-from eqx_kfac._tracing.losses.custom import CustomLoss, register_custom_loss
+from eqx_kfac import CustomLoss, register_custom_loss
 
 from models import brute_force_ggn, mlp_classification, mlp_regression, Problem
 

@@ -30,7 +30,7 @@ def _mlp(key):
 
 
 def _loss(model, batch):
-    from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss
+    from eqx_kfac import register_softmax_cross_entropy_loss
 
     x, y = batch
     logits = jax.vmap(lambda v: model[1](jnp.tanh(model[0](v))))(x)
@@ -52,7 +52,7 @@ def _flat(tree):
 
 
 def _optimizer(mode, setting, **kwargs):
-    from eqx_kfac._optim.optimizer import Optimizer
+    from eqx_kfac import Optimizer
 
     ctor = ADAPTIVE if setting == "adaptive" else {}
     return Optimizer(
@@ -120,7 +120,7 @@ from eqx_kfac._core.distributed import (  # noqa: E402
     data_mesh,
     fold_in_device,
 )
-from eqx_kfac._curvature.estimators import BlockDiagonalCurvature  # noqa: E402
+from eqx_kfac import BlockDiagonalCurvature  # noqa: E402
 
 
 def _assert_same_update(model, single, multi):

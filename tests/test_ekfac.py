@@ -11,10 +11,10 @@ from hypothesis import given, settings, strategies as st
 
 import models
 from block_helpers import dense_matpower, dense_spec, flat, generic_spec, random_data, random_vector, unflat
-from eqx_kfac._curvature.blocks import DenseFull, DenseTwoKroneckerFactored
-from eqx_kfac._curvature.blocks.conv2d import Conv2DFull, Conv2DTwoKroneckerFactored
-from eqx_kfac._curvature.blocks.eigenbasis import Conv2DEigenbasisKFAC, DenseEigenbasisKFAC
-from eqx_kfac._curvature.estimators import BlockDiagonalCurvature
+from eqx_kfac import DenseFull, DenseTwoKroneckerFactored
+from eqx_kfac import Conv2DFull, Conv2DTwoKroneckerFactored
+from eqx_kfac import Conv2DEigenbasisKFAC, DenseEigenbasisKFAC
+from eqx_kfac import BlockDiagonalCurvature
 from test_conv_blocks import _layer as conv_layer
 
 seeds = st.integers(0, 2**31 - 1)

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from block_helpers import dense_matpower
-from eqx_kfac._curvature.blocks import DenseTwoKroneckerFactored
-from eqx_kfac._curvature.blocks.embedding import EmbeddingKroneckerFactored
-from eqx_kfac._tracing.tags import register_embedding
-from eqx_kfac._curvature.estimators import BlockDiagonalCurvature
-from eqx_kfac._tracing.layer_data import EstimationData, LayerSpec
-from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss
-from eqx_kfac._tracing.tags import register_dense
+from eqx_kfac import DenseTwoKroneckerFactored
+from eqx_kfac import EmbeddingKroneckerFactored
+from eqx_kfac import register_embedding
+from eqx_kfac import BlockDiagonalCurvature
+from eqx_kfac import EstimationData, LayerSpec
+from eqx_kfac import register_softmax_cross_entropy_loss
+from eqx_kfac import register_dense
 
 VOCAB, FEATURES, CLASSES = 6, 3, 4
 

@@ -8,11 +8,17 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import equinox as eqx
-from eqx_kfac._curvature.blocks import DenseDiagonal, DenseFull, DenseTwoKroneckerFactored, NaiveFull, ScaleAndShiftFull
-from eqx_kfac._curvature.estimators import BlockDiagonalCurvature
-from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss, register_squared_error_loss
-from eqx_kfac._tracing.tags import register_generic
-from eqx_kfac._curvature.linear.spectral import eigenvalues as operator_eigenvalues, trace as operator_trace
+from eqx_kfac import (
+    DenseDiagonal,
+    DenseFull,
+    DenseTwoKroneckerFactored,
+    NaiveFull,
+    ScaleAndShiftFull,
+)
+from eqx_kfac import BlockDiagonalCurvature
+from eqx_kfac import register_softmax_cross_entropy_loss, register_squared_error_loss
+from eqx_kfac import register_generic
+from eqx_kfac import eigenvalues as operator_eigenvalues, trace as operator_trace
 
 from models import (
     block_slices,

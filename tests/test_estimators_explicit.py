@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from eqx_kfac._curvature.estimators import ExplicitExactCurvature, ImplicitExactCurvature
+from eqx_kfac import ExplicitExactCurvature, ImplicitExactCurvature
 
 from models import dense_from_products, flat_params, mlp_classification, mlp_regression, two_losses
 

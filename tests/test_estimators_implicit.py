@@ -7,7 +7,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import equinox as eqx
-from eqx_kfac._curvature.estimators import ImplicitExactCurvature
+from eqx_kfac import ImplicitExactCurvature
 
 from models import (
     brute_force_ggn,

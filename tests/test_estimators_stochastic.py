@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from eqx_kfac._curvature.blocks import DenseFull, NaiveFull
-from eqx_kfac._curvature.estimators import BlockDiagonalCurvature, ExplicitExactCurvature
+from eqx_kfac import DenseFull, NaiveFull
+from eqx_kfac import BlockDiagonalCurvature, ExplicitExactCurvature
 
 from models import two_losses
 

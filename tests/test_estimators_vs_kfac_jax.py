@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import equinox as eqx
-from eqx_kfac._curvature.blocks import DenseDiagonal, DenseFull
-from eqx_kfac._curvature.blocks.conv2d import Conv2DDiagonal, Conv2DFull
-from eqx_kfac._curvature.estimators import BlockDiagonalCurvature
-from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss
+from eqx_kfac import DenseDiagonal, DenseFull
+from eqx_kfac import Conv2DDiagonal, Conv2DFull
+from eqx_kfac import BlockDiagonalCurvature
+from eqx_kfac import register_softmax_cross_entropy_loss
 from reference.twins import (
     cnn_inputs,
     cnn_twin,

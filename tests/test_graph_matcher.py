@@ -17,8 +17,8 @@ from jax import lax
 from jax.extend.core import Var
 
 from eqx_kfac import BlockDiagonalCurvature
-from eqx_kfac._tracing.graph_matcher import DEFAULT_GRAPH_PATTERNS, GraphPattern, auto_register_tags
-from eqx_kfac._tracing.losses import register_squared_error_loss
+from eqx_kfac import DEFAULT_GRAPH_PATTERNS, GraphPattern, auto_register_tags
+from eqx_kfac import register_squared_error_loss
 from eqx_kfac._tracing.tags import (
     LayerTag,
     layer_tag_of,

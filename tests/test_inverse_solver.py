@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqx_kfac
-from eqx_kfac._optim.optax import kfac_preconditioner
-from eqx_kfac._curvature.solvers import solve_block
+from eqx_kfac import kfac_preconditioner
+from eqx_kfac import solve_block
 
 from block_helpers import dense_spec, flat, random_data, random_vector
 from models import flat_params, mlp_classification, mlp_regression

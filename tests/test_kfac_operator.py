@@ -9,8 +9,8 @@ import pytest
 
 import eqx_kfac
 import models
-from eqx_kfac._curvature.blocks import DenseFull
-from eqx_kfac._curvature.kfac_operator import kfac_linear_operator, KFACLinearOperator
+from eqx_kfac import DenseFull
+from eqx_kfac import kfac_linear_operator, KFACLinearOperator
 
 
 def _regression(key, sizes=(3, 4, 2), batch=6):

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import eqx_kfac
-from eqx_kfac._optim.optax import kfac_preconditioner, KFACPreconditionerState
+from eqx_kfac import kfac_preconditioner, KFACPreconditionerState
 
 from models import flat_params, mlp_classification
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from models import mlp_regression
 
-from eqx_kfac._optim.optimizer import Optimizer
+from eqx_kfac import Optimizer
 
 
 STEPS = 15

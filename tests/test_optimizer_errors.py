@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from models import mlp_classification
 
-from eqx_kfac._optim.optimizer import Optimizer
+from eqx_kfac import Optimizer
 
 # One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
 pytestmark = pytest.mark.xdist_group("test_optimizer_errors")
@@ -33,14 +33,18 @@ def opt_and_state():
          "use_adaptive_momentum=True and a momentum_schedule"),
         (dict(use_adaptive_damping=True, initial_damping=1.0, damping_schedule=lambda s: 0.1),
          "use_adaptive_damping=True and a damping_schedule"),
-        (dict(use_adaptive_damping=True), "needs initial_damping"),
         (dict(use_adaptive_learning_rate=True, norm_constraint=1.0), "norm_constraint cannot"),
         (dict(estimation_mode="fisher_magic"), "Unknown estimation_mode 'fisher_magic'"),
         (dict(inverse_update_period=0), "inverse_update_period must be an integer >= 1"),
         (dict(curvature_update_period=3, inverse_update_period=2),
          r"curvature_update_period \(3\) is larger than inverse_update_period \(2\)"),
-        (dict(damping_adaptation_decay=1.5), "damping_adaptation_decay must be in"),
-        (dict(damping_lower_threshold=0.9), "damping_lower_threshold"),
+        (dict(use_adaptive_damping=True, damping_adaptation_decay=1.5),
+         r"decay must be in \(0, 1\].*damping_adaptation_decay"),
+        (dict(use_adaptive_damping=True, damping_lower_threshold=0.9),
+         r"lower \(0.9\) is above upper.*damping_lower_threshold"),
+        (dict(use_adaptive_momentum=True, adaptive_momentum_bounds=(0.5, 0.1)),
+         "lower .* must not exceed upper"),
+        (dict(max_consecutive_faults=0), "max_consecutive_faults must be None or an integer"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):

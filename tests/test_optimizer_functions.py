@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from models import mlp_classification
 
-from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss
-from eqx_kfac._optim.optimizer import Optimizer
+from eqx_kfac import register_softmax_cross_entropy_loss
+from eqx_kfac import Optimizer
 
 
 FIXED = dict(learning_rate=0.1, momentum=0.9, damping=0.01)
@@ -110,11 +110,11 @@ def test_jax_value_and_grad_with_aux_on_a_plain_pytree_equals_the_equinox_form()
 def test_the_loss_is_recovered_from_wrapped_or_given():
     problem = mlp_classification(jax.random.key(0))
     inner = eqx.filter_value_and_grad(problem.loss_fn)
-    assert Optimizer(inner, l2_reg=0.0).value_func is problem.loss_fn
-    assert Optimizer(jax.jit(jax.value_and_grad(problem.loss_fn)), l2_reg=0.0).value_func is (
+    assert Optimizer(inner, l2_reg=0.0).function.value is problem.loss_fn
+    assert Optimizer(jax.jit(jax.value_and_grad(problem.loss_fn)), l2_reg=0.0).function.value is (
         problem.loss_fn)
 
     def opaque(params, batch):
         return inner(params, batch)
 
-    assert Optimizer(opaque, l2_reg=0.0, value_func=problem.loss_fn).value_func is problem.loss_fn
+    assert Optimizer(opaque, l2_reg=0.0, value_func=problem.loss_fn).function.value is problem.loss_fn

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from models import mlp_classification
 
-from eqx_kfac._curvature.blocks import DenseFull
-from eqx_kfac._optim.optimizer import Optimizer
+from eqx_kfac import DenseFull
+from eqx_kfac import Optimizer
 
 
 PROBLEM = mlp_classification(jax.random.key(0), sizes=(3, 4, 3), batch=5)
@@ -248,10 +248,15 @@ def test_stats_norms_batch_processing_and_batch_size_extractor():
             f"{prefix}(layers[{i}].{name})" for i in range(2) for name in ("weight", "bias")}
 
 
+@pytest.mark.parametrize("bounded", [False, True])
 @pytest.mark.parametrize("adaptive", ["learning_rate", "momentum"])
-def test_one_adaptive_coefficient_minimises_the_exact_quadratic_model(adaptive):
+def test_one_adaptive_coefficient_minimises_the_exact_quadratic_model(adaptive, bounded):
+    """Unbounded: the adapted coefficient is a stationary point of the exact damped model along
+    it. Bounded (the default bounds): the minimiser over the interval, i.e. stationary inside it,
+    or at a bound with the model's slope pointing out of the interval."""
+    bounds = {} if bounded else {f"adaptive_{adaptive}_bounds": None}
     opt = Optimizer(VG, l2_reg=0.0, estimation_mode="ggn_exact", num_burnin_steps=0,
-                    inverse_update_period=1, **{f"use_adaptive_{adaptive}": True})
+                    inverse_update_period=1, **{f"use_adaptive_{adaptive}": True}, **bounds)
     fixed = dict(learning_rate=LR, momentum=MOM, damping=DAMP)
     del fixed[adaptive]
     params = PROBLEM.params
@@ -275,12 +280,23 @@ def test_one_adaptive_coefficient_minimises_the_exact_quadratic_model(adaptive):
         d = -lr_ * precon + mom_ * velocity
         return 0.5 * d @ (ggn + DAMP * np.eye(d.size)) @ d + grad @ d
 
-    # The adapted coefficient is a stationary point of the damped model along it.
     eps = 1e-5 * (abs(lr) if adaptive == "learning_rate" else max(abs(mom), 1e-3))
     if adaptive == "learning_rate":
         assert mom == MOM
-        slope = (model(lr + eps, mom) - model(lr - eps, mom)) / (2 * eps)
+        value, slope = lr, (model(lr + eps, mom) - model(lr - eps, mom)) / (2 * eps)
+        lower, upper = (0.0, 10.0) if bounded else (-np.inf, np.inf)
     else:
         assert lr == LR
-        slope = (model(lr, mom + eps) - model(lr, mom - eps)) / (2 * eps)
-    assert abs(slope) < 1e-7 * abs(model(lr, mom))
+        value, slope = mom, (model(lr, mom + eps) - model(lr, mom - eps)) / (2 * eps)
+        lower, upper = (-0.95, 0.95) if bounded else (-np.inf, np.inf)
+    assert lower <= value <= upper
+    tolerance = 1e-7 * abs(model(lr, mom))
+    if value == upper:
+        assert slope < tolerance
+    elif value == lower:
+        assert slope > -tolerance
+    else:
+        assert abs(slope) < tolerance
+    if adaptive == "momentum":
+        # This problem's unbounded momentum lies above the bound: the bounds are active here.
+        assert (value == upper) == bounded

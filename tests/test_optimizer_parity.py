@@ -20,8 +20,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "reference"))
 from twins import load, mlp_twin, softmax_cross_entropy, to_eqx_layout  # noqa: E402
 
-from eqx_kfac._tracing.losses import register_softmax_cross_entropy_loss  # noqa: E402
-from eqx_kfac._optim.optimizer import Optimizer  # noqa: E402
+from eqx_kfac import register_softmax_cross_entropy_loss  # noqa: E402
+from eqx_kfac import Optimizer  # noqa: E402
 
 
 FIXTURE = load("optimizer_mlp")
@@ -63,6 +63,10 @@ def _fixture_kwargs(setting):
         damping_adaptation_decay=float(ctor["damping_adaptation_decay"]),
         damping_lower_threshold=float(ctor["damping_lower_threshold"]),
         damping_upper_threshold=float(ctor["damping_upper_threshold"]),
+        # kfac-jax has no bounds on the adaptive coefficients and rejects no step by default.
+        use_step_rejection=False,
+        adaptive_learning_rate_bounds=None,
+        adaptive_momentum_bounds=None,
     )
     if ctor.get("initial_damping", "None") != "None":
         ours["initial_damping"] = float(ctor["initial_damping"])

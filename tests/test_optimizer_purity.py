@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from models import mlp_classification
 
-from eqx_kfac._optim.optimizer import Optimizer
+from eqx_kfac import Optimizer
 
 
 PROBLEM = mlp_classification(jax.random.key(0))
@@ -78,17 +78,23 @@ def test_checkpoint_resume_is_bit_identical():
     _assert_trees_equal(resumed, uninterrupted)
 
 
+def _without_guard(state):
+    return eqx.tree_at(lambda s: s.guard_state, state, None)
+
+
 def test_non_finite_step_changes_nothing():
     state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
     params1, state1, _ = _run(PROBLEM.params, state0, [jax.random.key(0)])
     bad = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
     params2, state2, stats = OPT.step(params1, state1, jax.random.key(1), batch=bad)
     assert bool(stats["skipped"]) and not np.isfinite(float(stats["loss"]))
-    _assert_trees_equal((params2, state2), (params1, state1))
+    # Nothing changes but the guard's count of faults in a row.
+    _assert_trees_equal((params2, _without_guard(state2)), (params1, _without_guard(state1)))
+    assert int(state2.guard_state.consecutive_faults) == 1
     # A NaN first batch also leaves the burn-in undone.
     params_b, state_b, stats_b = OPT.step(PROBLEM.params, state0, jax.random.key(0), batch=bad)
     assert bool(stats_b["skipped"])
-    _assert_trees_equal((params_b, state_b), (PROBLEM.params, state0))
+    _assert_trees_equal((params_b, _without_guard(state_b)), (PROBLEM.params, _without_guard(state0)))
     # The next good step proceeds as if the bad one had not happened.
     after = OPT.step(params2, state2, jax.random.key(1), batch=BATCH)
     expected = OPT.step(params1, state1, jax.random.key(1), batch=BATCH)
@@ -125,7 +131,8 @@ def test_registration_report_is_logged_once(caplog):
 
 
 def test_non_finite_update_is_skipped_and_the_statistics_kept():
-    # Finite loss and gradient, infinite learning rate: the update is not finite.
+    # Finite loss and gradient, infinite learning rate: the update is not finite. The batch was
+    # processed (its statistics folded in, the counters advance), the update is not applied.
     opt = Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=1e-3, num_burnin_steps=0,
                     inverse_update_period=2)
     state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
@@ -136,10 +143,11 @@ def test_non_finite_update_is_skipped_and_the_statistics_kept():
                                         learning_rate=jnp.inf, **hyper)
     assert bool(stats["skipped"]) and np.isfinite(float(stats["loss"]))
     _assert_trees_equal(params, PROBLEM.params)
+    _assert_trees_equal(new_state.velocities, state.velocities)
     _assert_trees_equal(
-        (new_state.velocities, new_state.step_counter, new_state.data_seen, new_state.damping),
-        (state.velocities, state.step_counter, state.data_seen, state.damping),
+        (new_state.step_counter, new_state.data_seen), (good[1].step_counter, good[1].data_seen)
     )
+    assert int(new_state.guard_state.consecutive_faults) == 1
     # The batch's statistics and the refreshed cache are those of the good step.
     _assert_trees_equal(new_state.estimator_state, good[1].estimator_state)
 

@@ -1,4 +1,9 @@
-"""The quadratic-model and damping math of `_optim/quad_model.py`, against numpy written from the formulas."""
+"""The quadratic-model and damping math of `_optim/quadratic_model.py`, against numpy written from
+the formulas and, for bounded coefficients, against SciPy's bounded minimiser.
+
+(Imports private helpers on purpose: `gram_matrix`, `levenberg_marquardt_damping` and
+`norm_constraint_scale` are the formulas the parts are built from.)
+"""
 
 import jax
 import jax.numpy as jnp
@@ -6,15 +11,12 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import scipy.optimize
+
+from eqx_kfac import CoefficientRange, QuadraticModel, solve_quadratic_model
 from eqx_kfac._core.tree import all_finite
-from eqx_kfac._optim.quad_model import (
-    QuadraticModel,
-    gram_matrix,
-    levenberg_marquardt_damping,
-    norm_constraint_scale,
-    quadratic_model,
-    solve_quadratic_model,
-)
+from eqx_kfac._optim.direction import norm_constraint_scale
+from eqx_kfac._optim.quadratic_model import gram_matrix, levenberg_marquardt_damping, quadratic_model
 
 
 def _random_model(seed, n=2):
@@ -45,7 +47,8 @@ def _model_and_solutions(v, c, g, damping, l2):
 @given(st.integers(0, 10_000), st.floats(0.0, 2.0), st.floats(0.0, 0.5))
 def test_both_free_coefficients_minimise_the_damped_model(seed, damping, l2):
     v, c, g = _random_model(seed)
-    model, ((w0, w1), change), (_, change_damped) = _model_and_solutions(v, c, g, damping, l2)
+    model, free, damped = _model_and_solutions(v, c, g, damping, l2)
+    (w0, w1), change, change_damped = free.coefficients, free.change, damped.change
     np.testing.assert_allclose(model.a, v @ c @ v.T, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(model.d, v @ v.T, rtol=1e-12)
     np.testing.assert_allclose(model.b, v @ g, rtol=1e-12)
@@ -65,7 +68,8 @@ def test_one_free_coefficient_minimises_along_it(free):
     damping, l2, known = 0.3, 0.01, 0.7
     fixed = [None, None]
     fixed[1 - free] = known
-    coefficients, change = solve_quadratic_model(model, damping, l2, fixed)
+    solution = solve_quadratic_model(model, damping, l2, fixed)
+    coefficients, change = solution.coefficients, solution.change
     a_damped = v @ (c + (l2 + damping) * np.eye(6)) @ v.T
     b = v @ g
     # q(w) with the known coefficient fixed is a parabola in the free one: its vertex.
@@ -81,7 +85,7 @@ def test_zero_previous_update_gives_zero_momentum():
     v, c, g = _random_model(5)
     v[1] = 0.0
     model = _model(v, c, g)
-    (w0, w1), _ = solve_quadratic_model(model, 0.1, 0.0, (None, None))
+    w0, w1 = solve_quadratic_model(model, 0.1, 0.0, (None, None)).coefficients
     a = v[0] @ c @ v[0] + 0.1 * v[0] @ v[0]
     assert float(w1) == 0.0
     np.testing.assert_allclose(w0, -(v[0] @ g) / a, rtol=1e-10)
@@ -90,11 +94,49 @@ def test_zero_previous_update_gives_zero_momentum():
 def test_single_vector_model_with_fixed_coefficient():
     model = QuadraticModel(jnp.array([[2.0]]), jnp.array([[3.0]]), jnp.array([[3.0]]),
                            jnp.array([-1.0]))
-    (w,), change = solve_quadratic_model(model, 0.5, 0.1, (1.0,))
+    solution = solve_quadratic_model(model, 0.5, 0.1, (1.0,))
+    (w,), change = solution.coefficients, solution.change
     assert float(w) == 1.0
     np.testing.assert_allclose(change, 0.5 * (2.0 + 0.1 * 3.0) - 1.0, rtol=1e-12)
-    (w_free,), _ = solve_quadratic_model(model, 0.5, 0.1, (None,))
+    (w_free,) = solve_quadratic_model(model, 0.5, 0.1, (None,)).coefficients
     np.testing.assert_allclose(w_free, 1.0 / (2.0 + 0.1 * 3.0 + 0.5 * 3.0), rtol=1e-12)
+
+
+@given(
+    st.integers(0, 10_000),
+    st.tuples(st.floats(-2.0, 1.0), st.floats(0.0, 2.0)),
+    st.tuples(st.floats(-1.0, 0.0), st.floats(0.0, 1.0)),
+)
+def test_bounded_coefficients_minimise_over_the_box(seed, box0, box1):
+    """The minimiser within bounds equals SciPy's bounded minimiser of the same quadratic (the
+    model is convex, so both find the one minimum over the box)."""
+    v, c, g = _random_model(seed)
+    damping, l2 = 0.05, 0.01
+    model = _model(v, c, g)
+    boxes = [CoefficientRange(jnp.asarray(lo), jnp.asarray(lo + width)) for lo, width in (box0, box1)]
+    solution = solve_quadratic_model(model, damping, l2, boxes)
+    a = v @ (c + (l2 + damping) * np.eye(6)) @ v.T
+    b = v @ g
+    bounds = [(float(box.lower), float(box.upper)) for box in boxes]
+    reference = scipy.optimize.minimize(
+        lambda w: 0.5 * w @ a @ w + w @ b, np.zeros(2), jac=lambda w: a @ w + b,
+        bounds=bounds, method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12),
+    )
+    w = np.array([float(x) for x in solution.coefficients])
+    assert all(lo - 1e-12 <= x <= hi + 1e-12 for x, (lo, hi) in zip(w, bounds))
+    value = 0.5 * w @ a @ w + w @ b
+    assert value <= reference.fun + 1e-9 * (1 + abs(reference.fun))
+    np.testing.assert_allclose(w, reference.x, atol=1e-5)
+
+
+def test_bounds_that_hold_the_unconstrained_minimiser_change_nothing():
+    v, c, g = _random_model(7)
+    model = _model(v, c, g)
+    free = solve_quadratic_model(model, 0.1, 0.0, (None, None))
+    wide = [CoefficientRange(jnp.asarray(-1e6), jnp.asarray(1e6))] * 2
+    bounded = solve_quadratic_model(model, 0.1, 0.0, wide)
+    assert [float(x) for x in bounded.coefficients] == [float(x) for x in free.coefficients]
+    assert float(bounded.change) == float(free.change)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 
 from eqx_kfac._curvature import patches as _patches
-from eqx_kfac._curvature.patches import patches_moments, patches_moments_explicit
+from eqx_kfac import patches_moments, patches_moments_explicit
 
 
 def _numpy_reference(x_nhwc, kernel, strides, padding, inputs_dilation, kernel_dilation, depthwise, w):

@@ -8,11 +8,11 @@ import pytest
 
 import models
 from block_helpers import dense_spec, random_data
-from eqx_kfac._curvature.blocks import DenseTwoKroneckerFactored
-from eqx_kfac._curvature.blocks.reduce import DenseTwoKroneckerFactoredReduce
-from eqx_kfac._curvature.estimators import BlockDiagonalCurvature
-from eqx_kfac._tracing.losses import register_squared_error_loss
-from eqx_kfac._tracing.tags import register_dense
+from eqx_kfac import DenseTwoKroneckerFactored
+from eqx_kfac import DenseTwoKroneckerFactoredReduce
+from eqx_kfac import BlockDiagonalCurvature
+from eqx_kfac import register_squared_error_loss
+from eqx_kfac import register_dense
 
 
 class SharedLinearNet(eqx.Module):

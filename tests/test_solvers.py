@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqx_kfac
-from eqx_kfac._curvature.blocks.kronecker import KroneckerLayout
-from eqx_kfac._curvature.solvers import damped_block_operator, solve, solve_block
+from eqx_kfac import KroneckerLayout
+from eqx_kfac import damped_block_operator, solve, solve_block
 
 from block_helpers import dense_spec, flat, random_data, random_vector
 from models import mlp_regression

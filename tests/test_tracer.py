@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from eqx_kfac._tracing.jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr
-from eqx_kfac._tracing.losses import (
+from eqx_kfac import (
     CategoricalLogitsNegativeLogProbLoss,
     NormalMeanNegativeLogProbLoss,
     register_softmax_cross_entropy_loss,
     register_squared_error_loss,
 )
-from eqx_kfac._tracing.tags import register_conv2d, register_dense, register_generic, register_scale_and_shift
-from eqx_kfac._tracing.tracer import layer_tags_vjp, loss_tags_hvp, loss_tags_jvp, loss_tags_vjp, trace
+from eqx_kfac import register_conv2d, register_dense, register_generic, register_scale_and_shift
+from eqx_kfac import layer_tags_vjp, loss_tags_hvp, loss_tags_jvp, loss_tags_vjp, trace
 
 
 def _close(a, b, rtol=1e-10):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 from jaxtyping import PRNGKeyArray
 
-from . import cnn, frozen, mlp_norm, resnet, rnn, scan_mlp, transformer, vmc
+from . import cnn, frozen, mlp, mlp_norm, resnet, rnn, scan_mlp, transformer, vmc
 from ._problem import ZooProblem as ZooProblem, digits as digits
 
 PROBLEMS: dict[str, Callable[..., ZooProblem]] = {

@@ -81,15 +81,20 @@ def digits(dtype: Any = None) -> tuple[Float[Array, "n 64"], Int[Array, " n"]]:
 
 
 def digit_batches(
-    batch_size: int, transform: Callable[[Array], Any] = lambda x: x, dtype: Any = None
+    batch_size: int,
+    transform: Callable[[Array], Any] = lambda x: x,
+    dtype: Any = None,
+    seed: int | None = None,
 ) -> Callable[..., tuple[Any, Array]]:
-    """`next_batch` for a digits classifier: a fixed random permutation, cycled.
+    """`next_batch` for a digits classifier: minibatches without replacement.
 
     **Arguments:**
 
-    - `batch_size`: examples per batch.
+    - `batch_size`: examples per batch (the last incomplete batch of an epoch is dropped).
     - `transform`: maps a `(batch, 64)` block of pixels to the model's inputs (e.g. images).
     - `dtype`: the pixels' dtype (default: JAX's default float).
+    - `seed`: `None` (default): one fixed permutation, cycled; an integer: a new permutation in
+      every epoch, drawn from `(seed, epoch)`.
 
     **Returns:**
 
@@ -97,12 +102,14 @@ def digit_batches(
     step.
     """
     images, labels = digits(dtype)
-    order = np.random.default_rng(0).permutation(images.shape[0])
     per_epoch = images.shape[0] // batch_size
+    fixed = np.random.default_rng(0).permutation(images.shape[0])
 
     def next_batch(model: Any, step: int, key: Any, previous: Any = None) -> tuple[Any, Array]:
         del model, key, previous
-        rows = order[(step % per_epoch) * batch_size : (step % per_epoch + 1) * batch_size]
+        epoch, index = divmod(step, per_epoch)
+        order = fixed if seed is None else np.random.default_rng((seed, epoch)).permutation(len(fixed))
+        rows = order[index * batch_size : (index + 1) * batch_size]
         return transform(images[rows]), labels[rows]
 
     return next_batch

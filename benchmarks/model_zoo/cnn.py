@@ -35,12 +35,12 @@ def loss(model: CNN, batch: tuple[Float[Array, "n 1 8 8"], Int[Array, " n"]]) ->
     return cross_entropy(jax.vmap(model)(images), labels)
 
 
-def problem(key: PRNGKeyArray, batch_size: int = 128) -> ZooProblem:
-    """The CNN on the digits."""
+def problem(key: PRNGKeyArray, batch_size: int = 128, batch_seed: int | None = None) -> ZooProblem:
+    """The CNN on the digits (`batch_seed`: see `digit_batches`)."""
     return ZooProblem(
         name="cnn",
         model=CNN(key),
         loss=loss,
-        next_batch=digit_batches(batch_size, lambda x: x.reshape(-1, 1, 8, 8)),
+        next_batch=digit_batches(batch_size, lambda x: x.reshape(-1, 1, 8, 8), seed=batch_seed),
         batch_size=batch_size,
     )

@@ -7,8 +7,8 @@ waits for it). All three methods train the same function: the problem's loss, wh
 are identities for Adam.
 
 - `"adam"`: `optax.adam(learning_rate)`.
-- `"kfac"`: `eqx_kfac.Optimizer` with adaptive learning rate, momentum and damping (initial
-  damping `1e-2` and minimum `1e-4`, as the Optimizer page advises for minibatches).
+- `"kfac"`: `eqx_kfac.Optimizer` in its recommended configuration: adaptive learning rate,
+  momentum and damping, everything else at its default (bounded coefficients, step rejection).
 - `"recipe"`: the documented optax recipe, `eqx_kfac.kfac_optax(loss, example_args,
   learning_rate)` (K-FAC preconditioning, a norm constraint, momentum).
 """
@@ -28,6 +28,8 @@ import eqx_kfac
 from ._problem import ZooProblem
 
 METHODS = ("adam", "kfac", "recipe")
+# The step statistics of `Optimizer` a `ZooRun` keeps.
+KFAC_STATS = ("learning_rate", "momentum", "damping", "skipped", "rejected")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,9 @@ class ZooRun:
       entries when the run stopped early at a non-finite loss).
     - `times`: `(steps - 1,)`, seconds of each compiled step after the first.
     - `first_call`: seconds of the first step, compilation included.
+    - `stats`: for `"kfac"`, the step statistics `learning_rate`, `momentum`, `damping`,
+      `skipped`, `rejected` of every step (empty for the other methods).
+    - `model`, `state`: the model and the method's state after the last step.
     """
 
     problem: str
@@ -50,6 +55,9 @@ class ZooRun:
     losses: np.ndarray
     times: np.ndarray
     first_call: float
+    stats: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    model: Any = None
+    state: Any = None
 
     def final_loss(self, window: int = 10) -> float:
         """The mean training loss of the last `window` steps (NaN if the run diverged)."""
@@ -95,7 +103,8 @@ def _adam(problem: ZooProblem, learning_rate: float) -> tuple[Callable, Any]:
 
 
 def make_optimizer(problem: ZooProblem, **overrides: Any) -> eqx_kfac.Optimizer:
-    """`eqx_kfac.Optimizer` with adaptive learning rate, momentum and damping for a problem.
+    """`eqx_kfac.Optimizer` in its recommended configuration for a problem: adaptive learning rate,
+    momentum and damping, the other keywords at their defaults.
 
     **Arguments:**
 
@@ -113,13 +122,6 @@ def make_optimizer(problem: ZooProblem, **overrides: Any) -> eqx_kfac.Optimizer:
         use_adaptive_learning_rate=True,
         use_adaptive_momentum=True,
         use_adaptive_damping=True,
-        # Not 1.0, the start for full-batch losses of order one: on minibatches of the zoo's
-        # transformer the damping then held the loss near 2.0 for 80 of 150 steps (final 0.22
-        # against 0.07 from 1e-2), and the VMC energy stalled at 1.53. 1e-3 diverged the CNN.
-        initial_damping=1e-2,
-        # Not kfac-jax's 1e-8: on minibatches a classifier's loss goes to zero, the damping decays
-        # to its floor and one harder batch then diverges (the zoo CNN, 3 seeds of 3, by step 500).
-        min_damping=1e-4,
     )
     options.update(overrides)
     return eqx_kfac.Optimizer(
@@ -138,7 +140,7 @@ def _kfac(problem: ZooProblem, batch: Any, **overrides: Any) -> tuple[Callable, 
             model, kfac_state, func_state, stats = out
         else:
             model, kfac_state, stats = out
-        return model, (kfac_state, func_state), stats["loss"]
+        return model, (kfac_state, func_state), {k: stats[k] for k in ("loss", *KFAC_STATS)}
 
     init = optimizer.init(problem.model, jax.random.key(0), batch, func_state=problem.func_state)
     return step, (init, problem.func_state)
@@ -170,6 +172,8 @@ def train(
     steps: int,
     learning_rate: float | None = None,
     seed: int = 0,
+    perturb: Callable[[int, Any], Any] | None = None,
+    stop_at_nonfinite: bool = True,
     **kfac_overrides: Any,
 ) -> ZooRun:
     """Trains a zoo problem with one method.
@@ -181,6 +185,9 @@ def train(
     - `steps`: the number of steps.
     - `learning_rate`: for `"adam"` and `"recipe"`.
     - `seed`: seeds the batch stream's keys (Monte Carlo moves, dropout, K-FAC's sampling).
+    - `perturb`: `perturb(step, batch) -> batch`, applied to every batch before the step (e.g. to
+      inject an outlier batch).
+    - `stop_at_nonfinite`: stop at the first non-finite loss.
     - `**kfac_overrides`: `Optimizer` keywords for `"kfac"`, `kfac_optax` keywords for
       `"recipe"`.
 
@@ -198,18 +205,25 @@ def train(
         step, state = _recipe(problem, batch, learning_rate, **kfac_overrides)
     else:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-    model, losses, times, first_call = problem.model, [], [], 0.0
+    model, records, times, first_call = problem.model, [], [], 0.0
     for t in range(steps):
         if t:
             batch = problem.next_batch(model, t, keys[t, 0], batch)
+        step_batch = batch if perturb is None else perturb(t, batch)
         start = time.perf_counter()
-        model, state, loss = jax.block_until_ready(step(model, state, keys[t, 1], batch))
+        model, state, record = jax.block_until_ready(step(model, state, keys[t, 1], step_batch))
         elapsed = time.perf_counter() - start
         if t == 0:
             first_call = elapsed
         else:
             times.append(elapsed)
-        losses.append(float(loss))
-        if not np.isfinite(losses[-1]):
+        records.append(jax.device_get(record))
+        loss = records[-1]["loss"] if isinstance(records[-1], dict) else records[-1]
+        if stop_at_nonfinite and not np.isfinite(loss):
             break
-    return ZooRun(problem.name, method, learning_rate, np.asarray(losses), np.asarray(times), first_call)
+    losses = np.asarray([r["loss"] if isinstance(r, dict) else r for r in records], float)
+    stats = {k: np.asarray([r[k] for r in records]) for k in KFAC_STATS} if method == "kfac" else {}
+    return ZooRun(
+        problem.name, method, learning_rate, losses, np.asarray(times), first_call, stats, model,
+        state,
+    )

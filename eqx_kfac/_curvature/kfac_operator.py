@@ -323,7 +323,7 @@ def _identity_output_factors(estimator: BlockDiagonalCurvature, state: Estimator
         eye = jnp.broadcast_to(jnp.eye(last.value.shape[-1], dtype=last.value.dtype), last.value.shape)
         factors = (*block_state.factors[:-1], WeightedMovingAverage(value=eye, weight=last.weight))
         block_states.append(eqx.tree_at(lambda s: s.factors, block_state, factors))
-    return EstimatorState(block_states=tuple(block_states))
+    return eqx.tree_at(lambda s: s.block_states, state, tuple(block_states))
 
 
 @eqx.filter_jit

@@ -1,9 +1,9 @@
 """Damping rules: the damping `λ` of each step, and how it follows the step's outcome.
 
-A rule keeps its state in `Optimizer.State.damping` (a scalar). `value` is this step's damping;
-`update` runs after the update has been formed and gives the state for the next step, with the
-reduction ratio `ρ`, the loss at the new parameters and the quadratic model's predicted change
-(`NaN` where the rule does not compute them).
+A rule owns its state (`init`, kept in `Optimizer.State.damping_state`). `value` is this step's
+damping; `update` runs after the guard has decided whether the update is applied, and gives the
+state for the next step with a `DampingReport` (the reduction ratio `ρ`, the loss at the new
+parameters and the predicted change; NaN where the rule computed none).
 """
 
 import abc
@@ -13,36 +13,98 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.typing import ArrayLike
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float, PyTree
 
-from .._core import distributed as _distributed
-from .quad_model import levenberg_marquardt_damping, solve_quadratic_model
-from .context import StepContext
 from .hyperparameters import AbstractHyperparameter, GivenHyperparameter, ScheduledHyperparameter
-from .quadratic import approximate_quadratic_model, exact_quadratic_model
+from .quadratic_model import (
+    approximate_quadratic_model,
+    exact_quadratic_model,
+    levenberg_marquardt_damping,
+    solve_quadratic_model,
+)
+from .step_context import GivenValues, StepContext
 
-DampingOutcome = tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""], Float[Array, ""]]
+
+class DampingState(eqx.Module):
+    """The state of the built-in damping rules (final).
+
+    **Fields:**
+
+    - `damping`: the damping for the next step (adaptive), or the last step's (otherwise).
+    """
+
+    damping: Float[Array, ""]
+
+
+class StepOutcome(eqx.Module):
+    """What a damping rule sees of the step it adapts to (final).
+
+    **Fields:**
+
+    - `delta`: the proposed update.
+    - `new_params`: the parameters after the update (as proposed, whether applied or not).
+    - `quad_change`: the step rule's predicted change, `None` when it computed none.
+    - `new_loss`: the loss at `new_params` when the guard computed it, else `None`.
+    - `applied`: whether the update is applied.
+    - `faulty`: whether the step was not applied because something was not finite or the loss
+      rose (a skipped or rejected step).
+    """
+
+    delta: PyTree[Array]
+    new_params: PyTree[Any]
+    quad_change: Float[Array, ""] | None
+    new_loss: Float[Array, ""] | None
+    applied: Bool[Array, ""]
+    faulty: Bool[Array, ""]
+
+
+class DampingReport(eqx.Module):
+    """The damping rule's findings about the step (final; NaN where not computed).
+
+    **Fields:**
+
+    - `rho`: the reduction ratio `(L(θ + δ) - L(θ)) / Δq`.
+    - `new_loss`: the loss after the update.
+    - `quad_change`: the predicted change `Δq`.
+    """
+
+    rho: Float[Array, ""]
+    new_loss: Float[Array, ""]
+    quad_change: Float[Array, ""]
+
+
+def _nan(context: StepContext) -> Float[Array, ""]:
+    return jnp.full((), jnp.nan, context.loss.dtype)
+
+
+def _known(value: Array | None, context: StepContext) -> Float[Array, ""]:
+    return _nan(context) if value is None else value.astype(context.loss.dtype)
 
 
 class AbstractDampingRule(eqx.Module):
-    """How each step's damping is chosen and adapted (the extension point).
-
-    Subclasses implement `initial`, `value`, `check` and `update`.
-    """
+    """How each step's damping is chosen and adapted (the extension point)."""
 
     @abc.abstractmethod
-    def initial(self) -> float:
-        """The damping state before the first step."""
+    def init(self, dtype: Any) -> PyTree[Array]:
+        """The rule's state before the first step.
+
+        **Arguments:**
+
+        - `dtype`: the parameters' floating dtype (for the damping scalar).
+
+        **Returns:**
+
+        A PyTree of arrays (the built-in rules: a `DampingState`).
+        """
 
     @abc.abstractmethod
-    def value(self, state: Float[Array, ""], context: StepContext) -> Float[Array, ""]:
+    def value(self, state: PyTree[Array], context: StepContext) -> Float[Array, ""]:
         """This step's damping.
 
         **Arguments:**
 
-        - `state`: the damping state (`Optimizer.State.damping`).
-        - `context`: the step (`context.given[2]` is the `damping` passed to `step`).
+        - `state`: the rule's state.
+        - `context`: the step (`context.given.damping` is the `damping` passed to `step`).
 
         **Returns:**
 
@@ -50,38 +112,26 @@ class AbstractDampingRule(eqx.Module):
         """
 
     @abc.abstractmethod
-    def check(self, given: ArrayLike | None) -> None:
+    def check(self, given: GivenValues) -> None:
         """Raises `ValueError` when `step` got (or lacks) a `damping=` contrary to the rule."""
 
     @abc.abstractmethod
     def update(
-        self,
-        state: Float[Array, ""],
-        damping: Float[Array, ""],
-        quad_change: Float[Array, ""] | None,
-        delta: Any,
-        new_params: Any,
-        context: StepContext,
-    ) -> DampingOutcome:
-        """The damping state for the next step, from this step's outcome.
+        self, state: PyTree[Array], damping: Float[Array, ""], outcome: StepOutcome, context: StepContext
+    ) -> tuple[PyTree[Array], DampingReport]:
+        """The state for the next step, from this step's outcome.
 
         **Arguments:**
 
-        - `state`, `damping`: the damping state and this step's damping.
-        - `quad_change`: the quadratic model's predicted change of the step rule, or `None`
-          when it computed none.
-        - `delta`: the update.
-        - `new_params`: the parameters after the update.
+        - `state`: the rule's state.
+        - `damping`: this step's damping.
+        - `outcome`: the `StepOutcome`.
         - `context`: the step.
 
         **Returns:**
 
-        `(new_state, rho, new_loss, quad_change)`, NaN where not computed.
+        `(new_state, report)`.
         """
-
-
-def _nan(context: StepContext) -> Float[Array, ""]:
-    return jnp.full((), jnp.nan, context.loss.dtype)
 
 
 class _ValueDamping(AbstractDampingRule):
@@ -89,18 +139,20 @@ class _ValueDamping(AbstractDampingRule):
 
     source: eqx.AbstractVar[AbstractHyperparameter]
 
-    def initial(self) -> float:
-        return 0.0
+    def init(self, dtype):
+        return DampingState(jnp.zeros((), dtype))
 
     def value(self, state, context):
-        return jnp.asarray(self.source.value(context.given[2], context.step, context.data_seen))
+        return self.source.range(context.given.damping, context.step, context.data_seen).lower
 
     def check(self, given):
-        self.source.check(given, "damping")
+        self.source.check(given.damping, "damping")
 
-    def update(self, state, damping, quad_change, delta, new_params, context):
-        nan = _nan(context)
-        return damping.astype(state.dtype), nan, nan, nan if quad_change is None else quad_change
+    def update(self, state, damping, outcome, context):
+        report = DampingReport(
+            _nan(context), _known(outcome.new_loss, context), _known(outcome.quad_change, context)
+        )
+        return DampingState(damping.astype(state.damping.dtype)), report
 
 
 class GivenDamping(_ValueDamping):
@@ -128,19 +180,24 @@ class ScheduledDamping(_ValueDamping):
 
 
 class LevenbergMarquardtDamping(AbstractDampingRule):
-    """Levenberg-Marquardt adaptation from the reduction ratio `ρ` (kfac-jax's adaptive damping).
+    """Levenberg-Marquardt adaptation from the reduction ratio `ρ` (kfac-jax's adaptive damping),
+    with an immediate increase after a step that was not applied.
 
     Every `interval` steps, `ρ = (L(θ + δ) - L(θ)) / Δq` compares the loss change with the
     quadratic model's prediction `Δq` (the step rule's, or, when it computed none, the model of
     the update `δ` with the K-FAC estimate, or with the exact curvature when `always_exact`); the
     damping is multiplied by `decay ** interval` when `ρ > upper`, divided by it when
-    `ρ < lower` (or `ρ` is NaN), and clipped to `[minimum, maximum]`.
+    `ρ < lower` (or `ρ` is NaN). A step the guard did not apply (a rejected step, or an update
+    that was not finite) then multiplies the damping by `fault_increase` at once (kfac-jax's
+    `reject_damping_increase_factor`). The result is clipped to `[minimum, maximum]`.
 
     **Fields:**
 
     - `initial_damping`, `interval`, `decay`, `lower`, `upper`, `minimum`, `maximum`: as above.
     - `always_exact`: predict with the exact curvature also when the step rule gave no model.
     - `include_damping_in_quad_change`: include the damping term in `Δq`.
+    - `fault_increase`: the factor applied after a step that was not applied (`1` keeps the
+      damping, as kfac-jax's default).
     """
 
     initial_damping: float = eqx.field(static=True)
@@ -152,42 +209,69 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     maximum: float = eqx.field(static=True, default=math.inf)
     always_exact: bool = eqx.field(static=True, default=False)
     include_damping_in_quad_change: bool = eqx.field(static=True, default=False)
+    fault_increase: float = eqx.field(static=True, default=1.0)
 
-    def initial(self) -> float:
-        return self.initial_damping
+    def __check_init__(self):
+        problems = []
+        if not 0.0 < self.initial_damping:
+            problems.append(f"initial_damping must be > 0, got {self.initial_damping}")
+        if not (isinstance(self.interval, int) and self.interval >= 1):
+            problems.append(f"interval must be an integer >= 1, got {self.interval!r}")
+        if not 0.0 < self.decay <= 1.0:
+            problems.append(f"decay must be in (0, 1], got {self.decay}")
+        if self.lower > self.upper:
+            problems.append(f"lower ({self.lower}) is above upper ({self.upper})")
+        if not 0.0 <= self.minimum <= self.maximum:
+            problems.append(f"need 0 <= minimum <= maximum, got {self.minimum} and {self.maximum}")
+        if self.fault_increase < 1.0:
+            problems.append(f"fault_increase must be >= 1, got {self.fault_increase}")
+        if problems:
+            raise ValueError("LevenbergMarquardtDamping: " + "; ".join(problems) + ".")
+
+    def init(self, dtype):
+        return DampingState(jnp.asarray(self.initial_damping, dtype))
 
     def value(self, state, context):
-        return state
+        return state.damping
 
     def check(self, given):
-        if given is not None:
+        if given.damping is not None:
             raise ValueError(
                 "use_adaptive_damping=True, so do not pass damping= to step (it is adapted)."
             )
 
-    def update(self, state, damping, quad_change, delta, new_params, context):
-        def adapt():
-            change = quad_change
-            if change is None:
-                model_of = exact_quadratic_model if self.always_exact else approximate_quadratic_model
-                _, change = solve_quadratic_model(
-                    model_of(context, [delta]), damping, context.l2_reg, (1.0,),
-                    self.include_damping_in_quad_change,
-                )
-            new_loss = _distributed.pmean(
-                context.loss_of(context.value_func(new_params, *context.func_args[1:])),
-                context.axis_name,
-            )
-            new_damping, rho = levenberg_marquardt_damping(
-                context.loss, new_loss, change, damping,
-                lower_threshold=self.lower, upper_threshold=self.upper,
-                decay_factor=self.decay**self.interval, min_damping=self.minimum,
-                max_damping=self.maximum,
-            )
-            return new_damping.astype(state.dtype), rho, new_loss, change
+    def _adapt(
+        self, state: DampingState, damping: Array, outcome: StepOutcome, context: StepContext
+    ) -> tuple[Array, DampingReport]:
+        change = outcome.quad_change
+        if change is None:
+            model_of = exact_quadratic_model if self.always_exact else approximate_quadratic_model
+            change = solve_quadratic_model(
+                model_of(context, [outcome.delta]), damping, context.l2_reg, (1.0,),
+                self.include_damping_in_quad_change,
+            ).change
+        new_loss = context.loss_at(outcome.new_params) if outcome.new_loss is None else outcome.new_loss
+        new_damping, rho = levenberg_marquardt_damping(
+            context.loss, new_loss, change, damping,
+            lower_threshold=self.lower, upper_threshold=self.upper,
+            decay_factor=self.decay**self.interval, min_damping=self.minimum,
+            max_damping=self.maximum,
+        )
+        dtype = context.loss.dtype
+        report = DampingReport(rho.astype(dtype), new_loss.astype(dtype), change.astype(dtype))
+        return new_damping.astype(state.damping.dtype), report
 
+    def update(self, state, damping, outcome, context):
         def keep():
-            nan = _nan(context)
-            return state, nan, nan, nan if quad_change is None else quad_change
+            return state.damping, DampingReport(
+                _nan(context), _known(outcome.new_loss, context), _known(outcome.quad_change, context)
+            )
 
-        return jax.lax.cond((context.step + 1) % self.interval == 0, adapt, keep)
+        due = (context.step + 1) % self.interval == 0
+        new_damping, report = jax.lax.cond(
+            due, lambda: self._adapt(state, damping, outcome, context), keep
+        )
+        if self.fault_increase != 1.0:
+            raised = jnp.clip(new_damping * self.fault_increase, self.minimum, self.maximum)
+            new_damping = jnp.where(outcome.faulty, raised, new_damping)
+        return DampingState(new_damping.astype(state.damping.dtype)), report

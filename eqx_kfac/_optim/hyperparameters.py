@@ -1,18 +1,22 @@
-"""Where a step's learning rate or momentum comes from: passed to `step`, a schedule, or adapted.
+"""Where a step coefficient (learning rate, momentum, damping) comes from: passed to `step`, a
+schedule, or adapted by the step rule within bounds.
 
-A step rule holds one of these per coefficient. `value` gives this step's value, or `None` when the
-coefficient is adapted (chosen by the step rule, e.g. from the quadratic model); `check` raises
-when `step` is called with or without a value contrary to where the value comes from.
+Every source gives the step rule an interval for the coefficient: a given or scheduled value `v`
+is the interval `[v, v]`; an adapted coefficient is free between its `lower` and `upper` bounds,
+where the step rule's quadratic model places it. `check` raises when `step` is called with or
+without a value contrary to where the value comes from.
 """
 
 import abc
 import inspect
+import math
 from collections.abc import Callable
+from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array
+from jaxtyping import Array, Float
 
 Schedule = Callable[..., ArrayLike]
 
@@ -38,12 +42,37 @@ def call_schedule(schedule: Schedule, step: Array, data_seen: Array) -> Array:
     return jnp.asarray(schedule(step))
 
 
+class CoefficientRange(eqx.Module):
+    """The interval a step coefficient may take in this step (final).
+
+    **Fields:**
+
+    - `lower`, `upper`: the bounds (equal for a given or scheduled value; infinite where an
+      adapted coefficient is unbounded).
+    """
+
+    lower: Float[Array, ""]
+    upper: Float[Array, ""]
+
+    @classmethod
+    def point(cls, value: ArrayLike) -> "CoefficientRange":
+        """The interval `[value, value]`."""
+        value = jnp.asarray(value)
+        return cls(value, value)
+
+
 class AbstractHyperparameter(eqx.Module):
-    """Where the value of a step coefficient (learning rate, momentum, damping) comes from."""
+    """Where the value of a step coefficient comes from (the extension point).
+
+    `adapted` (a class variable) says whether the step rule chooses the value; `range` gives the
+    interval it may take in this step.
+    """
+
+    adapted: ClassVar[bool]
 
     @abc.abstractmethod
-    def value(self, given: Array | None, step: Array, data_seen: Array) -> Array | None:
-        """This step's value, or `None` when it is adapted by the step rule.
+    def range(self, given: Array | None, step: Array, data_seen: Array) -> CoefficientRange:
+        """This step's interval for the coefficient.
 
         **Arguments:**
 
@@ -52,7 +81,7 @@ class AbstractHyperparameter(eqx.Module):
 
         **Returns:**
 
-        A scalar array or `None`.
+        A `CoefficientRange`.
         """
 
     @abc.abstractmethod
@@ -69,8 +98,10 @@ class AbstractHyperparameter(eqx.Module):
 class GivenHyperparameter(AbstractHyperparameter):
     """The value passed to `step` (required there)."""
 
-    def value(self, given, step, data_seen):
-        return jnp.asarray(given)
+    adapted: ClassVar[bool] = False
+
+    def range(self, given, step, data_seen):
+        return CoefficientRange.point(given)
 
     def check(self, given, name):
         if given is None:
@@ -89,9 +120,10 @@ class ScheduledHyperparameter(AbstractHyperparameter):
     """
 
     schedule: Schedule = eqx.field(static=True)
+    adapted: ClassVar[bool] = False
 
-    def value(self, given, step, data_seen):
-        return call_schedule(self.schedule, step, data_seen)
+    def range(self, given, step, data_seen):
+        return CoefficientRange.point(call_schedule(self.schedule, step, data_seen))
 
     def check(self, given, name):
         if given is not None:
@@ -102,10 +134,27 @@ class ScheduledHyperparameter(AbstractHyperparameter):
 
 
 class AdaptiveHyperparameter(AbstractHyperparameter):
-    """Adapted by the step rule (the quadratic model for the learning rate and momentum)."""
+    """Chosen by the step rule (the quadratic model for the learning rate and momentum), between
+    `lower` and `upper`.
 
-    def value(self, given, step, data_seen):
-        return None
+    **Fields:**
+
+    - `lower`, `upper`: the bounds (default: unbounded, as in kfac-jax). The quadratic model is
+      minimised over the box the bounds make, exactly (it is convex).
+    """
+
+    lower: float = eqx.field(static=True, default=-math.inf)
+    upper: float = eqx.field(static=True, default=math.inf)
+    adapted: ClassVar[bool] = True
+
+    def __check_init__(self):
+        if not self.lower <= self.upper:
+            raise ValueError(
+                f"AdaptiveHyperparameter: lower ({self.lower}) must not exceed upper ({self.upper})."
+            )
+
+    def range(self, given, step, data_seen):
+        return CoefficientRange(jnp.asarray(self.lower), jnp.asarray(self.upper))
 
     def check(self, given, name):
         if given is not None:

@@ -2,22 +2,21 @@
 
 The optimizer is built from parts, each an `eqx.Module` (see "Building a variant"):
 
-- the curvature estimator (`BlockDiagonalCurvature`, traced from the loss on first use);
-- a `RefreshSchedule`: the burn-in, and when statistics and cached inverses are updated;
-- an `AbstractDirection`: the preconditioned gradient `(C + (l2_reg + λ) I)⁻¹ g`, possibly
-  shortened by a norm constraint;
+- a `Preconditioner`: the curvature estimate (`BlockDiagonalCurvature`, traced from the loss on
+  first use), its `AbstractRefreshSchedule` and the `AbstractDirection` it gives (shared with
+  `kfac_preconditioner`);
 - an `AbstractStepRule`: the update from the direction and the previous update (learning rate and
-  momentum given, scheduled, or from the exact quadratic model);
-- an `AbstractDampingRule`: the damping `λ` (given, scheduled, or Levenberg-Marquardt from `ρ`).
+  momentum given, scheduled, or from the exact quadratic model within bounds);
+- an `AbstractDampingRule`: the damping `λ` (given, scheduled, or Levenberg-Marquardt from `ρ`);
+- a `StepGuard`: whether the update is applied (non-finite steps skipped, steps that raise the
+  loss rejected, an error after too many in a row).
 
-The kfac-jax keywords of the constructor build these parts. One step, in kfac-jax's order:
-damping; loss and gradient; curvature updates (with the burn-in at step 0) and the cache
-refresh; direction; update; damping adaptation. Every decision that depends on the step counter
-is taken inside the compiled graph, so `step` gives the same result called directly or inside a
-user's `jit`.
+The kfac-jax keywords of the constructor build these parts (`kfac_jax_keywords.py`). The step
+itself is `optimizer_step.step_body`; every decision that depends on the step counter is taken
+inside the compiled graph, so `step` gives the same result called directly or inside a user's
+`jit`.
 """
 
-import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
@@ -26,35 +25,48 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core import distributed as _distributed
-from .._core.cache import LRUCache
 from .._core.control_flow import select_changed
-from .._core.tree import abstract_arrays, signature
-from .._curvature.blocks._solver_cache import check_solver_choice
+from .._core.tree import signature
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
-from .._curvature.estimators.fallbacks import check_on_unmatched
-from .._curvature.estimators.loss_checks import check_batch_size, check_loss_is_averaged
+from .arguments import check_batch, check_func_state, check_params, check_scalar_loss, params_signature
+from .compilation import compiled_step, jitted_burnin
 from .damping import AbstractDampingRule
 from .direction import AbstractDirection
+from .guard import StepGuard
 from .hyperparameters import Schedule
-from .refresh import RefreshSchedule, burnin_keys
+from .kfac_jax_keywords import KEYWORDS, parts_from_keywords
+from .optimizer_state import ExampleCount, OptimizerState
+from .preconditioner import CurvatureOptions, Preconditioner
+from .refresh import AbstractRefreshSchedule, burnin_keys
+from .step_context import GivenValues
 from .step_rule import AbstractStepRule
-from .optimizer_compiled import compiled_step, jitted_burnin
-from .optimizer_config import (
-    OptimizerState as OptimizerState,
-    check_batch,
-    check_func_state,
-    parts_from_keywords,
-)
+from .value_function import recover_value_func, ValueFunction
 
 
-logger = logging.getLogger("eqx_kfac")
 
-# Building the estimators traces the loss: once per configuration and argument signature (the
-# step looks them up at every trace). Kept here, not in the optimizer, which holds no mutable state.
-_ESTIMATORS = LRUCache(maxsize=32)
+def _value_function(
+    value_and_grad_func: Callable[..., Any],
+    value_func: Callable[..., Any] | None,
+    value_func_for_estimator: Callable[..., Any] | None,
+    flags: tuple[bool, bool, bool],
+    batch_process_func: Callable[[Any], Any] | None,
+) -> ValueFunction:
+    value_func = value_func or recover_value_func(value_and_grad_func)
+    if value_func is None:
+        # Tracing through `value_and_grad_func` would show the tracer the backward pass too,
+        # whose uses of the weights look like extra layers: ask for the loss instead.
+        raise ValueError(
+            "Cannot recover the loss function from value_and_grad_func: it has no "
+            "`__wrapped__` attribute. Build it with eqx.filter_value_and_grad(loss) or "
+            "jax.value_and_grad(loss) (or functools.wraps(loss)), or pass value_func=loss."
+        )
+    return ValueFunction(
+        value_and_grad_func, value_func, value_func_for_estimator or value_func, *flags,
+        batch_process_func,
+    )
 
 
 class Optimizer(eqx.Module):
@@ -63,38 +75,25 @@ class Optimizer(eqx.Module):
     Build it once from a `value_and_grad_func`; `init` creates an `Optimizer.State`; `step`
     returns new parameters, state and statistics. Both are pure: call `step` directly (it is
     compiled once per argument structure and cached) or inside your own `eqx.filter_jit` /
-    `jax.jit`. See the "Optimizer" documentation page for every option and advice on damping, and
-    "Building a variant" for the parts.
+    `jax.jit`. See the "Optimizer" documentation page for every option and the recommended
+    configuration, and "Building a variant" for the parts.
     """
 
     State: ClassVar[type[OptimizerState]] = OptimizerState
 
-    value_and_grad_func: Callable[..., Any] = eqx.field(static=True)
-    value_func: Callable[..., Any] = eqx.field(static=True)
-    value_func_for_estimator: Callable[..., Any] = eqx.field(static=True)
+    function: ValueFunction
     l2_reg: float = eqx.field(static=True)
-    value_func_has_aux: bool = eqx.field(static=True)
-    value_func_has_state: bool = eqx.field(static=True)
-    value_func_has_rng: bool = eqx.field(static=True)
-    damping_rule: AbstractDampingRule
+    preconditioner: Preconditioner
     step_rule: AbstractStepRule
-    direction: AbstractDirection
-    refresh: RefreshSchedule
-    estimation_mode: str = eqx.field(static=True)
-    batch_process_func: Callable[[Any], Any] | None = eqx.field(static=True)
-    estimator_kwargs: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    damping_rule: AbstractDampingRule
+    guard: StepGuard
     multi_device: bool = eqx.field(static=True)
     mesh: Any = eqx.field(static=True)
     pmap_axis_name: str = eqx.field(static=True)
-    batch_size_extractor: Callable[[Any], Any] | None = eqx.field(static=True)
     include_norms_in_stats: bool = eqx.field(static=True)
     include_per_param_norms_in_stats: bool = eqx.field(static=True)
     distributed_inverses: bool = eqx.field(static=True)
-    skip_non_finite: bool = eqx.field(static=True)
-    donate_parameters: bool = eqx.field(static=True)
-    donate_optimizer_state: bool = eqx.field(static=True)
-    donate_batch_inputs: bool = eqx.field(static=True)
-    donate_func_state: bool = eqx.field(static=True)
+    donated: tuple[int, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -139,6 +138,11 @@ class Optimizer(eqx.Module):
         distributed_inverses: bool = True,
         skip_non_finite: bool = True,
         *,
+        use_step_rejection: bool | None = None,
+        reject_damping_increase_factor: float = 2.0,
+        adaptive_learning_rate_bounds: tuple[float, float] | None = (0.0, 10.0),
+        adaptive_momentum_bounds: tuple[float, float] | None = (-0.95, 0.95),
+        max_consecutive_faults: int | None = 20,
         curvature_update_period: int = 1,
         value_func: Callable[..., Any] | None = None,
         value_func_for_estimator: Callable[..., Any] | None = None,
@@ -148,179 +152,103 @@ class Optimizer(eqx.Module):
         donate_func_state: bool = False,
         inverse_solver: Any = None,
         on_unmatched: str = "warn",
+        graph_patterns: Sequence[Any] | None = None,
+        index_to_block_ctor: Mapping[Any, Any] | None = None,
         damping_rule: AbstractDampingRule | None = None,
         step_rule: AbstractStepRule | None = None,
         direction: AbstractDirection | None = None,
-        refresh: RefreshSchedule | None = None,
+        refresh: AbstractRefreshSchedule | None = None,
+        guard: StepGuard | None = None,
     ):
-        """**Arguments:**
+        """**Arguments:** see the "Optimizer" documentation page, which describes every keyword;
+        in short:
 
         - `value_and_grad_func`: `value_and_grad_func(params, [func_state], [rng], batch)` returns
           `(out, grads)` as `eqx.filter_value_and_grad(loss)` or `jax.value_and_grad(loss)` do;
           `out` is `loss`, `(loss, aux)`, `(loss, func_state)` or `(loss, (func_state, aux))`.
-          The loss must register its losses (e.g. `register_softmax_cross_entropy_loss`) and be
-          averaged over the batch; add any L2 term `l2_reg/2·Σθ²` yourself.
-        - `l2_reg`: the L2 coefficient used in the loss; it is added to the curvature's damping
-          and to the quadratic model.
-        - `value_func_has_aux`, `value_func_has_state`, `value_func_has_rng`: the function forms
-          above; `func_state` may be an `eqx.nn.State`, `rng` a PRNG key (split from `step`'s).
-        - `use_adaptive_learning_rate`, `use_adaptive_momentum`: choose the learning rate and/or
-          momentum by minimising the exact quadratic model (GGN or Fisher, after
-          `estimation_mode`) over the preconditioned gradient and the previous update.
-        - `learning_rate_schedule`, `momentum_schedule`, `damping_schedule`: functions of the
-          step counter (and of `data_seen=` if they accept that keyword).
-        - `use_adaptive_damping`: Levenberg-Marquardt adaptation of the damping from `ρ`, starting
-          at `initial_damping`, every `damping_adaptation_interval` steps: multiply by
-          `damping_adaptation_decay ** damping_adaptation_interval` when
-          `ρ > damping_upper_threshold`, divide when `ρ < damping_lower_threshold`, clip to
-          `[min_damping, max_damping]`.
-        - `include_damping_in_quad_change`: include the damping term in the predicted change.
-        - `always_use_exact_qmodel_for_damping_adjustment`: with fixed learning rate and momentum,
-          predict the change with the exact curvature instead of the K-FAC estimate.
-        - `norm_constraint`: scale the preconditioned gradient so that `lr²·gᵀ P g` is at most this
-          (not with an adaptive learning rate).
-        - `num_burnin_steps`: curvature updates before the first step (from `data_iterator`, or
-          repeated on the first batch).
-        - `estimation_mode`: one of `fisher_gradients`, `fisher_empirical`, `fisher_exact`,
-          `fisher_curvature_prop`, `ggn_exact`, `ggn_curvature_prop`.
-        - `curvature_ema`: decay of the curvature moving averages.
-        - `inverse_update_period`: steps between refreshes of the cached inverses (1: no cache,
-          inverses are computed in every step).
-        - `use_exact_inverses`: invert Kronecker blocks exactly (eigendecompositions) instead of
-          with pi-adjusted factored damping.
-        - `batch_process_func`: applied to every batch before use.
-        - `register_only_generic`, `patterns_to_skip`, `auto_register_kwargs`: passed to
-          `auto_register_tags`.
-        - `layer_tag_to_block_ctor`: block class per tag name, overriding the defaults.
-        - `inverse_solver`: the lineax solver the curvature blocks use for their inverse
-          (keyword only), as for `BlockDiagonalCurvature`: one solver (for every `Full` /
-          Kronecker block), a sequence with one solver or `None` per block, or a function from
-          a block to a solver or `None` (e.g. `lineax.Cholesky()`, `lineax.CG(rtol, atol)`,
-          `eqx_kfac.KroneckerEigenSolver()`). It replaces `use_exact_inverses` for those blocks;
-          cached solver states are refreshed every `inverse_update_period` steps with that
-          step's damping. A failed solve gives a non-finite update, which
-          `skip_non_finite=True` skips.
-        - `multi_device`: run the step under `jax.shard_map` over `mesh` (default: a 1-D mesh of
-          all devices): parameters and state replicated, the batch (the global batch) split along
-          its first axis over the axis `pmap_axis_name`; loss, gradients, curvature statistics and
-          quadratic-model products are averaged over it. See "Multi-device and multi-host".
-        - `mesh`, `pmap_axis_name`: the mesh and the name of its data axis.
-        - `distributed_inverses`, `distributed_precon_apply`: with `multi_device`, each block's
-          cache update / preconditioner product is computed by one device and shared, instead
-          of by every device.
-        - `batch_size_extractor`: maps the (processed) batch to its size; `None` (default): the
-          leading dimension of the registered losses' inputs, whatever else the batch holds.
-        - `include_norms_in_stats`, `include_per_param_norms_in_stats`: add the norms of the
-          parameters, gradient, preconditioned gradient and update to the statistics.
-        - `skip_non_finite`: when the loss or gradient is not finite, return the parameters,
-          state and function state unchanged (the step counter too) and set `stats["skipped"]`.
-          When only the update is not finite (a failed solve), the parameters, velocities,
-          damping and counters are unchanged and `stats["skipped"]` is set; the curvature
-          statistics keep the (finite) batch. A block whose `inverse_solver` factorisation
-          fails at a cache refresh keeps its previous solver state.
-        - `curvature_update_period`: steps between curvature updates (keyword only).
-        - `value_func`: the loss function itself (keyword only). By default it is recovered
-          from `value_and_grad_func.__wrapped__` (set by `jax.value_and_grad`,
-          `eqx.filter_value_and_grad` and `functools.wraps`); without either, construction
-          raises `ValueError`.
-        - `value_func_for_estimator`: the function whose registrations the curvature estimator
-          traces (keyword only; default `value_func`), e.g. the loss without regularisers.
-        - `donate_parameters`, `donate_optimizer_state`, `donate_batch_inputs`,
-          `donate_func_state`: donate these arguments' buffers to `step` (keyword only, as in
-          kfac-jax): the step writes its outputs into them, which saves a copy of the
-          parameters and of the optimizer state (curvature factors and cached inverses) per
-          step, and the arrays you passed are deleted. Donate only what you replace with the
-          step's outputs (`params, state, stats = optimizer.step(params, state, ...)`). Inside
-          your own `jit`, use its `donate_argnums` instead.
-        - `on_unmatched`: what to do when a parameter falls back to a generic (diagonal) block
-          because no layer accounts for it (keyword only): `"warn"` (a `UserWarning` naming the
-          parameters, at the first step or `init`), `"error"` or `"ignore"`; see
-          `BlockDiagonalCurvature`.
-        - `damping_rule`, `step_rule`, `direction`, `refresh` (keyword only): the optimizer's
-          parts, given directly instead of through the keywords above that build them (see
-          "Building a variant"): an `AbstractDampingRule` (damping keywords), an
-          `AbstractStepRule` (learning-rate and momentum keywords), an `AbstractDirection`
-          (`use_exact_inverses`, `norm_constraint`, `distributed_precon_apply`) and a
-          `RefreshSchedule` (`num_burnin_steps`, `curvature_update_period`,
-          `inverse_update_period`, `curvature_ema`). Giving a part together with a keyword of
-          its own raises `ValueError`.
+          The loss must register its losses and be averaged over the batch.
+        - `l2_reg`: the L2 coefficient used in the loss (added to the damping and the model).
+        - `value_func_has_aux`, `value_func_has_state`, `value_func_has_rng`: the forms above.
+        - Learning rate and momentum: `use_adaptive_learning_rate` / `use_adaptive_momentum`
+          (within `adaptive_learning_rate_bounds` / `adaptive_momentum_bounds`, `None` for
+          unbounded), `learning_rate_schedule` / `momentum_schedule`, or passed to `step`.
+        - Damping: `use_adaptive_damping` (Levenberg-Marquardt from `initial_damping`, default
+          `1e-2`, with `min_damping`, `max_damping`, `damping_adaptation_interval`,
+          `damping_adaptation_decay`, `damping_lower_threshold`, `damping_upper_threshold`,
+          `include_damping_in_quad_change`, `always_use_exact_qmodel_for_damping_adjustment`,
+          and `reject_damping_increase_factor` after a step that is not applied),
+          `damping_schedule`, or passed to `step`.
+        - The guard: `skip_non_finite`, `use_step_rejection` (default: on with adaptive damping),
+          `max_consecutive_faults`.
+        - The curvature: `estimation_mode`, `curvature_ema`, `curvature_update_period`,
+          `inverse_update_period`, `num_burnin_steps`, `use_exact_inverses`, `norm_constraint`,
+          `inverse_solver`, `layer_tag_to_block_ctor`, `index_to_block_ctor`, `graph_patterns`,
+          `register_only_generic`, `patterns_to_skip`, `auto_register_kwargs`, `on_unmatched`,
+          `batch_size_extractor`.
+        - Devices: `multi_device`, `mesh`, `pmap_axis_name`, `distributed_inverses`,
+          `distributed_precon_apply`; buffers: `donate_parameters`, `donate_optimizer_state`,
+          `donate_batch_inputs`, `donate_func_state`.
+        - `value_func`, `value_func_for_estimator`, `batch_process_func`,
+          `include_norms_in_stats`, `include_per_param_norms_in_stats`.
+        - `damping_rule`, `step_rule`, `direction`, `refresh`, `guard`: parts given directly
+          instead of through the keywords that build them (giving both raises `ValueError`).
         """
-        keywords = dict(locals())
-        parts = parts_from_keywords(keywords)
-        self.value_and_grad_func = value_and_grad_func
-        self.value_func = parts.value_func
-        self.value_func_for_estimator = value_func_for_estimator or parts.value_func
-        self.l2_reg = l2_reg
-        self.value_func_has_aux = value_func_has_aux
-        self.value_func_has_state = value_func_has_state
-        self.value_func_has_rng = value_func_has_rng
-        self.damping_rule = parts.damping_rule
-        self.step_rule = parts.step_rule
-        self.direction = parts.direction
-        self.refresh = parts.refresh
-        self.estimation_mode = estimation_mode
-        self.batch_process_func = batch_process_func
+        arguments = dict(locals())
+        keywords = {name: arguments[name] for part in KEYWORDS.values() for name in part}
+        if keywords["use_step_rejection"] is None:
+            keywords["use_step_rejection"] = bool(use_adaptive_damping)
+        given = dict(damping_rule=damping_rule, step_rule=step_rule, direction=direction, refresh=refresh, guard=guard)
+        parts = parts_from_keywords(keywords, given)
+        if mesh is not None:
+            _distributed.check_mesh(mesh, pmap_axis_name)
         auto = dict(auto_register_kwargs or {})
         if register_only_generic:
             auto["register_only_generic"] = True
         if patterns_to_skip:
             auto["patterns_to_skip"] = tuple(patterns_to_skip)
-        self.estimator_kwargs = tuple(sorted(dict(
-            auto,
-            default_estimation_mode=estimation_mode,
-            layer_tag_to_block_ctor=tuple(sorted((layer_tag_to_block_ctor or {}).items())),
-            inverse_solver=check_solver_choice(inverse_solver, "Optimizer"),
-            on_unmatched=check_on_unmatched(on_unmatched, "Optimizer"),
-        ).items()))
+        if graph_patterns is not None:
+            auto["graph_patterns"] = tuple(graph_patterns)
+        self.function = _value_function(
+            value_and_grad_func, value_func, value_func_for_estimator,
+            (value_func_has_aux, value_func_has_state, value_func_has_rng), batch_process_func,
+        )
+        self.l2_reg = l2_reg
+        self.preconditioner = Preconditioner(
+            CurvatureOptions(
+                estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+                index_to_block_ctor=index_to_block_ctor, auto_register_kwargs=auto,
+                inverse_solver=inverse_solver, on_unmatched=on_unmatched,
+                batch_size_extractor=batch_size_extractor,
+            ),
+            parts.refresh,
+            parts.direction,
+        )
+        self.step_rule = parts.step_rule
+        self.damping_rule = parts.damping_rule
+        self.guard = parts.guard
         self.multi_device = multi_device
         self.mesh = mesh
         self.pmap_axis_name = pmap_axis_name
-        self.batch_size_extractor = batch_size_extractor
         self.include_norms_in_stats = include_norms_in_stats
         self.include_per_param_norms_in_stats = include_per_param_norms_in_stats
         self.distributed_inverses = distributed_inverses
-        self.skip_non_finite = skip_non_finite
-        self.donate_parameters = donate_parameters
-        self.donate_optimizer_state = donate_optimizer_state
-        self.donate_batch_inputs = donate_batch_inputs
-        self.donate_func_state = donate_func_state
-
-    # --- configuration helpers --------------------------------------------------------------
+        flags = (donate_parameters, donate_optimizer_state, False, donate_batch_inputs, donate_func_state)
+        self.donated = tuple(i for i, flag in enumerate(flags) if flag)
 
     @property
-    def _axis(self) -> str | None:
+    def refresh(self) -> AbstractRefreshSchedule:
+        """The preconditioner's refresh schedule."""
+        return self.preconditioner.refresh
+
+    @property
+    def direction(self) -> AbstractDirection:
+        """The preconditioner's direction."""
+        return self.preconditioner.direction
+
+    @property
+    def axis_name(self) -> str | None:
         """The data axis inside the step, `None` on one device."""
         return self.pmap_axis_name if self.multi_device else None
-
-    def _keys(self, rng: PRNGKeyArray) -> tuple[PRNGKeyArray, PRNGKeyArray | None]:
-        """This device's key for the curvature's sampling, and one for the value function's
-        randomness (`None` without `value_func_has_rng`)."""
-        rng = _distributed.fold_in_device(rng, self._axis)
-        return tuple(jax.random.split(rng)) if self.value_func_has_rng else (rng, None)
-
-    def _process(self, batch: Any) -> Any:
-        return batch if self.batch_process_func is None else self.batch_process_func(batch)
-
-    def _func_args(self, params: Any, func_state: Any, rng: Any, batch: Any) -> tuple[Any, ...]:
-        args = (params,)
-        if self.value_func_has_state:
-            args += (func_state,)
-        if self.value_func_has_rng:
-            args += (rng,)
-        return args + (batch,)
-
-    def _loss_of(self, out: Any) -> Array:
-        return out[0] if (self.value_func_has_aux or self.value_func_has_state) else out
-
-    def _split_outputs(self, out: Any) -> tuple[Array, Any, Any]:
-        if not (self.value_func_has_aux or self.value_func_has_state):
-            return out, None, None
-        loss, other = out
-        if self.value_func_has_aux and self.value_func_has_state:
-            return loss, other[0], other[1]
-        if self.value_func_has_aux:
-            return loss, None, other
-        return loss, other, None
 
     def estimators(
         self, func_args: Sequence[Any]
@@ -329,8 +257,7 @@ class Optimizer(eqx.Module):
 
         Built (tracing the loss once, and logging the registration report at INFO level on the
         `"eqx_kfac"` logger) on first use, and cached afterwards for every optimizer with the same
-        loss and estimator configuration (in a bounded cache outside the optimizer, which holds
-        no mutable state).
+        loss and curvature options (outside the optimizer, which holds no mutable state).
 
         **Arguments:**
 
@@ -341,39 +268,23 @@ class Optimizer(eqx.Module):
         `(block_diagonal, implicit_exact)`: the K-FAC estimator and the exact products used by the
         quadratic model.
         """
-        abstract_args = abstract_arrays(tuple(func_args))
-
-        def build() -> tuple[BlockDiagonalCurvature, ImplicitExactCurvature]:
-            kwargs = dict(self.estimator_kwargs)
-            kwargs["layer_tag_to_block_ctor"] = dict(kwargs["layer_tag_to_block_ctor"]) or None
-            block_diagonal = BlockDiagonalCurvature(
-                self.value_func_for_estimator, abstract_args, params_index=0, **kwargs
-            )
-            implicit = ImplicitExactCurvature(
-                self.value_func, params_index=0, batch_size_extractor=self.batch_size_extractor
-            )
-            logger.info(
-                "eqx_kfac.Optimizer: curvature blocks (%d blocks, %d parameters):\n%s",
-                block_diagonal.num_blocks, block_diagonal.dim, block_diagonal.registrations(),
-            )
-            return block_diagonal, implicit
-
-        key = (
-            self.value_func_for_estimator, self.value_func, self.estimator_kwargs,
-            self.batch_size_extractor, signature(abstract_args),
+        block_diagonal = self.preconditioner.estimator(
+            self.function.for_estimator, func_args, "eqx_kfac.Optimizer"
         )
-        return _ESTIMATORS.get(key, build)
-
-    # --- init -------------------------------------------------------------------------------
+        implicit = ImplicitExactCurvature(
+            self.function.value, params_index=0,
+            batch_size_extractor=self.preconditioner.curvature.batch_size_extractor,
+        )
+        return block_diagonal, implicit
 
     def init(
         self, params: PyTree, rng: PRNGKeyArray, batch: PyTree, func_state: PyTree = None
     ) -> OptimizerState:
         """Creates the optimizer state, and checks the loss against its registrations.
 
-        The loss is evaluated once on `batch`: a loss summed over the batch (instead of averaged,
-        as the curvature is) raises `ValueError`; an explicit `batch_size_extractor` that
-        disagrees with the registered losses' batch dimension warns.
+        The loss is evaluated once on `batch`: a loss that is not a scalar, or summed over the
+        batch (instead of averaged, as the curvature is), raises `ValueError`; an explicit
+        `batch_size_extractor` that disagrees with the registered losses' batch dimension warns.
 
         **Arguments:**
 
@@ -386,28 +297,37 @@ class Optimizer(eqx.Module):
 
         An `Optimizer.State`.
         """
-        check_func_state(self, func_state)
-        func_args = self._func_args(params, func_state, rng, self._process(batch))
-        block_diagonal, implicit = self.estimators(func_args)
-        batch_size = implicit.batch_size(func_args)
-        if self.batch_size_extractor is not None:
-            check_batch_size(self.value_func, func_args, batch_size)
+        check_func_state(self.function.has_state, func_state)
+        func_args = self.function.args(params, func_state, rng, self.function.process(batch))
+        check_scalar_loss(self.function.value, self.function.loss_of, func_args)
+        estimator, _ = self.estimators(func_args)
         if not self.multi_device:
             # (Under `multi_device` the loss may use collectives, which need the step's map.)
-            check_loss_is_averaged(self.value_func, self._loss_of, func_args, batch_size)
-        exact, approx = self.direction.powers_to_cache() if self.refresh.use_cached else (None, None)
+            self.preconditioner.check_loss(self.function.value, self.function.loss_of, func_args, estimator)
         filtered = eqx.filter(params, eqx.is_inexact_array)
-        float_dtype = jnp.result_type(*jax.tree.leaves(filtered))
+        dtype = jnp.result_type(*jax.tree.leaves(filtered), jnp.float32)
         return OptimizerState(
-            velocities=jax.tree.map(jnp.zeros_like, filtered),
-            estimator_state=block_diagonal.init(rng, exact, approx),
-            damping=jnp.asarray(self.damping_rule.initial(), float_dtype),
-            data_seen=jnp.zeros((), int),
-            step_counter=jnp.zeros((), int),
+            step_rule_state=self.step_rule.init(filtered),
+            damping_state=self.damping_rule.init(dtype),
+            guard_state=self.guard.init(),
+            estimator_state=self.preconditioner.init(estimator, rng),
+            examples_seen=ExampleCount.zero(),
+            step_counter=jnp.zeros((), jnp.int32),
             batch_signature=signature(batch),
+            params_signature=params_signature(params),
         )
 
-    # --- step -------------------------------------------------------------------------------
+    def _check_step_arguments(self, params: Any, state: Any, func_state: Any, given: GivenValues) -> None:
+        if not isinstance(state, OptimizerState):
+            raise TypeError(
+                f"state must be an Optimizer.State (from init), got {type(state).__name__}. A "
+                "checkpoint restored without a template comes back as plain containers: restore "
+                "it into `optimizer.init(...)`'s state (eqx.tree_deserialise_leaves(path, state))."
+            )
+        self.step_rule.check(given)
+        self.damping_rule.check(given)
+        check_func_state(self.function.has_state, func_state)
+        check_params(state.params_signature, params)
 
     def step(
         self,
@@ -442,9 +362,10 @@ class Optimizer(eqx.Module):
 
         `(params, state, stats)`, or `(params, state, func_state, stats)` when
         `value_func_has_state`. `stats` has `loss`, `learning_rate`, `momentum`, `damping`, `rho`,
-        `new_loss`, `quad_model_change`, `step`, `data_seen`, `batch_size`, `skipped` (the update
-        was not applied because the loss or gradient was not finite), `aux` when the function has
-        auxiliary outputs, and norms when requested.
+        `new_loss`, `quad_model_change`, `step`, `data_seen`, `batch_size`, `skipped` (not applied:
+        a loss, gradient or update that is not finite), `rejected` (not applied: the loss rose),
+        `curvature_update_dropped` (the batch's statistics were not finite), `aux` when the
+        function has auxiliary outputs, and norms when requested.
         """
         if (data_iterator is None) == (batch is None):
             raise ValueError("Pass exactly one of data_iterator= and batch= to step.")
@@ -455,16 +376,15 @@ class Optimizer(eqx.Module):
                 f"{type(data_iterator).__name__}. Pass a single batch by keyword: "
                 "`optimizer.step(params, state, rng, batch=batch)`."
             )
-        self.step_rule.check(learning_rate, momentum)
-        self.damping_rule.check(damping)
-        check_func_state(self, func_state)
-        if not isinstance(state, OptimizerState):
-            raise TypeError(f"state must be an Optimizer.State (from init), got {type(state)}.")
-        hyper = tuple(None if v is None else jnp.asarray(v) for v in (learning_rate, momentum, damping))
+        given = GivenValues(*(None if v is None else jnp.asarray(v) for v in (learning_rate, momentum, damping)))
+        self._check_step_arguments(params, state, func_state, given)
         if data_iterator is None:
-            check_batch(state, batch, "batch")
-            return compiled_step(self, (params, state, rng, batch, func_state, hyper), True)
-        step_int = global_step_int
+            check_batch(state.batch_signature, batch, "batch")
+            return compiled_step(self, (params, state, rng, batch, func_state, given), True)
+        return self._step_from_iterator(params, state, rng, data_iterator, func_state, given, global_step_int)
+
+    def _step_from_iterator(self, params, state, rng, data_iterator, func_state, given, step_int):
+        """`step` with a data iterator: the burn-in batches drawn in Python at step 0."""
         if step_int is None:
             try:
                 step_int = int(state.step_counter)
@@ -479,13 +399,16 @@ class Optimizer(eqx.Module):
             keys = burnin_keys(rng, burnin)
             for i in range(burnin):
                 burnin_batch = next(data_iterator)
-                check_batch(state, burnin_batch, f"burn-in batch #{i}")
+                check_batch(state.batch_signature, burnin_batch, f"burn-in batch #{i}")
                 state = jitted_burnin(self, params, state, keys[i], burnin_batch, func_state)
         batch = next(data_iterator)
-        check_batch(state, batch, "batch from data_iterator")
-        out = compiled_step(self, (params, state, rng, batch, func_state, hyper), False)
+        check_batch(state.batch_signature, batch, "batch from data_iterator")
+        out = compiled_step(self, (params, state, rng, batch, func_state, given), False)
         if state is original:
             return out
-        # A skipped step must leave the state as it was before the burn-in too.
-        stats = out[-1]
-        return (*out[:1], select_changed(stats["skipped"], original, out[1]), *out[2:])
+        # A step whose loss or gradient is not finite leaves the state as it was before the
+        # burn-in too (but for the guard's count of faults).
+        new_state = out[1]
+        unprocessed = new_state.step_counter == original.step_counter
+        kept = eqx.tree_at(lambda s: s.guard_state, original, new_state.guard_state)
+        return (out[0], select_changed(unprocessed, kept, new_state), *out[2:])

@@ -1,9 +1,11 @@
 """The refresh schedule: when the curvature statistics are updated and the cached inverses renewed."""
 
+import abc
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
+from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from .._core.control_flow import apply_if, periodic, select_changed
@@ -16,8 +18,50 @@ def burnin_keys(rng: PRNGKeyArray, num: int) -> Array:
     return jax.random.split(jax.random.fold_in(rng, 1), num)
 
 
-class RefreshSchedule(eqx.Module):
-    """When the curvature statistics are updated and the cached inverses refreshed.
+CurvatureUpdate = Callable[[EstimatorState, ArrayLike, PRNGKeyArray], EstimatorState]
+
+
+class AbstractRefreshSchedule(eqx.Module):
+    """When the curvature statistics are updated and the cached inverses refreshed (the extension
+    point). The step calls `update_curvature` and then `refresh_inverses`.
+
+    **Fields:**
+
+    - `num_burnin_steps`: curvature updates before the first step (summed statistics).
+    """
+
+    @property
+    @abc.abstractmethod
+    def use_cached(self) -> bool:
+        """Whether the direction uses cached inverses (refreshed by `refresh_inverses`)."""
+
+    num_burnin_steps: eqx.AbstractVar[int]
+
+    @abc.abstractmethod
+    def update_curvature(
+        self,
+        estimator_state: EstimatorState,
+        step: Int[Array, ""],
+        finite: Bool[Array, ""] | None,
+        step_key: PRNGKeyArray,
+        burnin_in_graph: bool,
+        update: CurvatureUpdate,
+    ) -> EstimatorState:
+        """This step's curvature updates (see `RefreshSchedule.update_curvature`)."""
+
+    @abc.abstractmethod
+    def refresh_inverses(
+        self,
+        estimator_state: EstimatorState,
+        step: Int[Array, ""],
+        finite: Bool[Array, ""] | None,
+        refresh: Callable[[EstimatorState], EstimatorState],
+    ) -> EstimatorState:
+        """This step's refresh of the cached inverses (see `RefreshSchedule.refresh_inverses`)."""
+
+
+class RefreshSchedule(AbstractRefreshSchedule):
+    """When the curvature statistics are updated and the cached inverses refreshed (final).
 
     **Fields:**
 
@@ -27,13 +71,33 @@ class RefreshSchedule(eqx.Module):
       `curvature_ema`).
     - `inverse_update_period`: steps between refreshes of the cached inverses; `1` caches
       nothing and computes the inverses in every step.
-    - `curvature_ema`: the decay of the moving averages.
+    - `curvature_ema`: the decay of the moving averages (a number, or an array such as an
+      injected hyperparameter).
     """
 
     num_burnin_steps: int = eqx.field(static=True, default=10)
     curvature_update_period: int = eqx.field(static=True, default=1)
     inverse_update_period: int = eqx.field(static=True, default=5)
-    curvature_ema: float = eqx.field(static=True, default=0.95)
+    curvature_ema: float | Array = 0.95
+
+    def __check_init__(self):
+        problems = []
+        for name, minimum in (
+            ("num_burnin_steps", 0), ("curvature_update_period", 1), ("inverse_update_period", 1)
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                problems.append(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if not problems and self.curvature_update_period > self.inverse_update_period:
+            problems.append(
+                f"curvature_update_period ({self.curvature_update_period}) is larger than "
+                f"inverse_update_period ({self.inverse_update_period}): the same inverse would be "
+                "recomputed; make inverse_update_period at least curvature_update_period"
+            )
+        if isinstance(self.curvature_ema, (int, float)) and not 0.0 <= self.curvature_ema <= 1.0:
+            problems.append(f"curvature_ema must be in [0, 1], got {self.curvature_ema}")
+        if problems:
+            raise ValueError("RefreshSchedule: " + "; ".join(problems) + ".")
 
     @property
     def use_cached(self) -> bool:
@@ -47,7 +111,7 @@ class RefreshSchedule(eqx.Module):
         finite: Bool[Array, ""] | None,
         step_key: PRNGKeyArray,
         burnin_in_graph: bool,
-        update: Callable[[EstimatorState, float, PRNGKeyArray], EstimatorState],
+        update: CurvatureUpdate,
     ) -> EstimatorState:
         """This step's curvature updates: the burn-in at step 0 (with `burnin_in_graph`), then the
         periodic update. A step that is not finite takes none of them (and its burn-in is

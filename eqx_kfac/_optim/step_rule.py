@@ -6,27 +6,66 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PyTree
 
-from .quad_model import solve_quadratic_model
-from .context import StepContext
-from .hyperparameters import AbstractHyperparameter, GivenHyperparameter
-from .quadratic import exact_quadratic_model
+from .hyperparameters import AbstractHyperparameter, CoefficientRange, GivenHyperparameter
+from .quadratic_model import exact_quadratic_model, solve_quadratic_model
+from .step_context import GivenValues, StepContext
 
-StepOutcome = tuple[
-    PyTree[Array], PyTree[Array], Float[Array, ""], Float[Array, ""], Float[Array, ""] | None
-]
+
+class StepCoefficients(eqx.Module):
+    """The learning rate and momentum of a step (final).
+
+    **Fields:**
+
+    - `learning_rate`, `momentum`: the coefficients (the direction's is `-learning_rate`).
+    - `quad_change`: the quadratic model's predicted change of the step, `None` when the rule
+      computed no model (no coefficient adapted).
+    """
+
+    learning_rate: Float[Array, ""]
+    momentum: Float[Array, ""]
+    quad_change: Float[Array, ""] | None
+
+
+class StepProposal(eqx.Module):
+    """What a step rule proposes (final).
+
+    **Fields:**
+
+    - `delta`: the update.
+    - `state`: the step rule's state for the next step (e.g. the velocity).
+    - `coefficients`: the `StepCoefficients` it used.
+    """
+
+    delta: PyTree[Array]
+    state: PyTree[Array]
+    coefficients: StepCoefficients
 
 
 class AbstractStepRule(eqx.Module):
-    """How the update is formed from the direction and the velocity (the extension point).
+    """How the update is formed from the direction and the rule's state (the extension point).
 
-    The velocity it returns is kept in `Optimizer.State.velocities` for the next step.
+    `init` makes the rule's state (kept in `Optimizer.State.step_rule_state`), `__call__`
+    proposes the update and the next state; the optimizer applies the update unless its guard
+    skips or rejects the step, in which case the state is kept as it was.
     """
 
     @abc.abstractmethod
-    def check(self, learning_rate: ArrayLike | None, momentum: ArrayLike | None) -> None:
+    def init(self, params: PyTree[Array]) -> PyTree[Array]:
+        """The rule's state before the first step.
+
+        **Arguments:**
+
+        - `params`: the parameters (`eqx.filter(params, eqx.is_inexact_array)`).
+
+        **Returns:**
+
+        A PyTree of arrays.
+        """
+
+    @abc.abstractmethod
+    def check(self, given: GivenValues) -> None:
         """Raises `ValueError` when `step` got (or lacks) `learning_rate=` / `momentum=` contrary
         to the rule."""
 
@@ -38,31 +77,45 @@ class AbstractStepRule(eqx.Module):
     def __call__(
         self,
         direction: PyTree[Array],
-        velocity: PyTree[Array],
+        state: PyTree[Array],
         damping: Float[Array, ""],
         context: StepContext,
-    ) -> StepOutcome:
+    ) -> StepProposal:
         """The update.
 
         **Arguments:**
 
         - `direction`: the step's direction (the preconditioned gradient).
-        - `velocity`: the velocity returned by the previous step (zeros at the first).
+        - `state`: the rule's state from the previous step (`init`'s at the first).
         - `damping`: this step's damping.
         - `context`: the step.
 
         **Returns:**
 
-        `(delta, velocity, learning_rate, momentum, quad_change)`: the update, the velocity for
-        the next step, the coefficients it used (for the statistics), and the quadratic model's
-        predicted change (`None` when it computed none).
+        A `StepProposal`.
         """
+
+
+class MomentumState(eqx.Module):
+    """The state of `MomentumStep` (final).
+
+    **Fields:**
+
+    - `velocity`: the previous update `δ_prev` (zeros before the first step), in the parameters'
+      dtypes promoted to at least float32.
+    """
+
+    velocity: PyTree[Array]
+
+
+def _wide(x: Array) -> Array:
+    return jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
 
 
 class MomentumStep(AbstractStepRule):
     """`δ = -lr · u + m · δ_prev` (kfac-jax's update; the velocity is the update itself), with
     each of `lr` and `m` given, scheduled or adapted; adapted ones minimise the exact quadratic
-    model over `u` and `δ_prev`.
+    model over `u` and `δ_prev`, within their bounds.
 
     **Fields:**
 
@@ -75,29 +128,56 @@ class MomentumStep(AbstractStepRule):
     momentum: AbstractHyperparameter = eqx.field(default_factory=GivenHyperparameter)
     include_damping_in_quad_change: bool = eqx.field(static=True, default=False)
 
-    def check(self, learning_rate, momentum):
-        self.learning_rate.check(learning_rate, "learning_rate")
-        self.momentum.check(momentum, "momentum")
+    def init(self, params):
+        return MomentumState(jax.tree.map(_wide, params))
+
+    def check(self, given):
+        self.learning_rate.check(given.learning_rate, "learning_rate")
+        self.momentum.check(given.momentum, "momentum")
+
+    def _range(self, source: AbstractHyperparameter, given: Any, context: StepContext) -> CoefficientRange:
+        return source.range(given, context.step, context.data_seen)
 
     def fixed_learning_rate(self, context):
-        return self.learning_rate.value(context.given[0], context.step, context.data_seen)
+        if self.learning_rate.adapted:
+            return None
+        return self._range(self.learning_rate, context.given.learning_rate, context).lower
 
     def coefficients(
-        self, direction: Any, velocity: Any, damping: Any, context: StepContext
-    ) -> tuple[tuple[Array, Array], Array | None]:
-        """`((coefficient of u, coefficient of δ_prev), quad_change)`, after the quadratic model
-        for the adapted ones (`quad_change` is `None` when none is adapted)."""
-        learning_rate = self.fixed_learning_rate(context)
-        momentum = self.momentum.value(context.given[1], context.step, context.data_seen)
-        fixed = (None if learning_rate is None else -learning_rate, momentum)
-        if None not in fixed:
-            return tuple(jnp.asarray(c) for c in fixed), None
-        model = exact_quadratic_model(context, (direction, velocity))
-        return solve_quadratic_model(
-            model, damping, context.l2_reg, fixed, self.include_damping_in_quad_change
-        )
+        self, direction: PyTree[Array], velocity: PyTree[Array], damping: Array, context: StepContext
+    ) -> StepCoefficients:
+        """The learning rate and momentum: the given or scheduled ones, and for adapted ones the
+        minimiser of the exact quadratic model within their bounds.
 
-    def __call__(self, direction, velocity, damping, context):
-        (c_direction, c_velocity), quad_change = self.coefficients(direction, velocity, damping, context)
-        delta = jax.tree.map(lambda u, v: u * c_direction + v * c_velocity, direction, velocity)
-        return delta, delta, -c_direction, c_velocity, quad_change
+        **Arguments:**
+
+        - `direction`, `velocity`: the two vectors `u` and `δ_prev`.
+        - `damping`: this step's damping.
+        - `context`: the step.
+
+        **Returns:**
+
+        `StepCoefficients`.
+        """
+        lr = self._range(self.learning_rate, context.given.learning_rate, context)
+        momentum = self._range(self.momentum, context.given.momentum, context)
+        if not (self.learning_rate.adapted or self.momentum.adapted):
+            return StepCoefficients(lr.lower, momentum.lower, None)
+        solution = solve_quadratic_model(
+            exact_quadratic_model(context, (direction, velocity)),
+            damping,
+            context.l2_reg,
+            (CoefficientRange(-lr.upper, -lr.lower), momentum),
+            self.include_damping_in_quad_change,
+        )
+        c_direction, c_velocity = solution.coefficients
+        return StepCoefficients(-c_direction, c_velocity, solution.change)
+
+    def __call__(self, direction, state, damping, context):
+        c = self.coefficients(direction, state.velocity, damping, context)
+        delta = jax.tree.map(
+            lambda u, v: (v * c.momentum.astype(v.dtype) - u * c.learning_rate.astype(u.dtype)).astype(v.dtype),
+            direction,
+            state.velocity,
+        )
+        return StepProposal(delta, MomentumState(delta), c)

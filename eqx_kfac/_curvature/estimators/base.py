@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from ..._core.tree import all_finite
 from ..blocks.base import CurvatureBlock, PowersLike
 from ..linear.operators import BlockDiagonalOperator
 from ..._tracing.tracer import trace
@@ -110,9 +111,12 @@ class EstimatorState(eqx.Module):
     **Fields:**
 
     - `block_states`: the blocks' states, in the order of the estimator's `blocks`.
+    - `dropped_updates`: how many batches were not folded in because their statistics were not
+      finite (e.g. inputs so large that a second moment overflows).
     """
 
     block_states: tuple[eqx.Module, ...]
+    dropped_updates: Int[Array, ""]
 
 
 def _per_block(value: Any, num_blocks: int, name: str) -> tuple[Any, ...]:
@@ -245,7 +249,8 @@ class AbstractCurvatureEstimator(eqx.Module):
             block_states=tuple(
                 block.init(k, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
                 for block, k in zip(self.blocks, keys)
-            )
+            ),
+            dropped_updates=jnp.zeros((), jnp.int32),
         )
 
     @abc.abstractmethod
@@ -282,20 +287,29 @@ class AbstractCurvatureEstimator(eqx.Module):
         """
 
     def _updated_state(
-        self, new_states: Sequence[eqx.Module], axis_name: Hashable | None
+        self, state: EstimatorState, new_states: Sequence[eqx.Module], axis_name: Hashable | None
     ) -> EstimatorState:
-        """The one place where per-device statistics are combined.
+        """The one place where updated statistics are combined over devices and checked.
 
         The old state is replicated, so averaging the updated moving averages over devices is
-        the same as averaging the new statistics: `ema_old·s + ema_new·mean_d(x_d)`.
+        the same as averaging the new statistics: `ema_old·s + ema_new·mean_d(x_d)`. A batch whose
+        statistics are not finite (on any device) is dropped: every block keeps its previous
+        statistics, and `dropped_updates` counts it.
         """
-        new_states = tuple(new_states)
+        old, treedef = jax.tree.flatten(state.block_states)
+        new = treedef.flatten_up_to(tuple(new_states))
+        changed = [n is not o for n, o in zip(new, old)]
         if axis_name is not None:
-            new_states = jax.tree.map(
-                lambda x: jax.lax.pmean(x, axis_name) if eqx.is_inexact_array(x) else x,
-                new_states,
-            )
-        return EstimatorState(block_states=new_states)
+            new = [
+                jax.lax.pmean(n, axis_name) if c and eqx.is_inexact_array(n) else n
+                for n, c in zip(new, changed)
+            ]
+        finite = all_finite([n for n, c in zip(new, changed) if c])
+        leaves = [jnp.where(finite, n, o) if c else o for n, o, c in zip(new, old, changed)]
+        return EstimatorState(
+            block_states=jax.tree.unflatten(treedef, leaves),
+            dropped_updates=state.dropped_updates + (~finite).astype(jnp.int32),
+        )
 
     def update_cache(
         self,
@@ -324,12 +338,11 @@ class AbstractCurvatureEstimator(eqx.Module):
         The state with updated caches.
         """
         weights = _per_block(identity_weight, self.num_blocks, "identity_weight")
-        return EstimatorState(
-            block_states=tuple(
-                block.update_cache(s, w, exact_powers, approx_powers, eigenvalues)
-                for block, s, w in zip(self.blocks, state.block_states, weights)
-            )
+        block_states = tuple(
+            block.update_cache(s, w, exact_powers, approx_powers, eigenvalues)
+            for block, s, w in zip(self.blocks, state.block_states, weights)
         )
+        return eqx.tree_at(lambda s: s.block_states, state, block_states)
 
     # --- products -------------------------------------------------------------------------
 

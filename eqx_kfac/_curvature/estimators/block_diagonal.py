@@ -318,4 +318,4 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
                     block_state, data, ema_old, ema_new, batch_size
                 )
             )
-        return self._updated_state(new_states, axis_name)
+        return self._updated_state(state, new_states, axis_name)

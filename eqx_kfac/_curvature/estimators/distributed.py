@@ -8,6 +8,7 @@ every device (`_core/distributed.py` has the device helpers).
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
@@ -56,7 +57,7 @@ def distributed_update_cache(
             return block.update_cache(s, weight, exact_powers, approx_powers, False)
 
         new_states.append(owner_computes(update, block_state, owner, axis_name))
-    return EstimatorState(block_states=tuple(new_states))
+    return eqx.tree_at(lambda s: s.block_states, state, tuple(new_states))
 
 
 def distributed_multiply_matpower(

@@ -167,4 +167,4 @@ class ExplicitExactCurvature(AbstractCurvatureEstimator):
         new_state = block.update_curvature_matrix_estimate(
             block_state, data, ema_old, ema_new, batch_size
         )
-        return self._updated_state((new_state,), axis_name)
+        return self._updated_state(state, (new_state,), axis_name)

@@ -1,12 +1,12 @@
-"""`kfac_preconditioner`: K-FAC as an optax gradient transformation.
+"""`kfac_preconditioner`, `kfac_optax` and `skip_non_finite`: K-FAC as optax transformations.
 
-The transformation keeps the curvature estimate (moving averages and cached inverses) in its optax
-state and maps gradients to `(C + (l2_reg + damping) I)⁻¹ g`. Everything else (learning rate,
-momentum, clipping, weight decay, schedules, gradient accumulation) is left to ordinary optax
-transformations around it.
+The preconditioner keeps the curvature estimate (moving averages and cached inverses) in its optax
+state and maps gradients to `(C + (l2_reg + damping) I)⁻¹ g`, with the same `Preconditioner` as
+`Optimizer`. Everything else (learning rate, momentum, clipping, weight decay, schedules, gradient
+accumulation) is left to ordinary optax transformations around it; `kfac_optax` is the ready
+recipe, guarded by `skip_non_finite`.
 """
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,28 +17,22 @@ import optax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
+from .._core.tree import all_finite
 from .._curvature.blocks import CurvatureBlock
-from .._curvature.blocks._solver_cache import check_solver_choice, SolverChoice
-from .._core.cache import LRUCache
-from .._core.control_flow import periodic
-from .._core.tree import abstract_arrays, signature
-from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState
-from .._curvature.estimators.base import batch_size_of
-from .._curvature.estimators.modes import ESTIMATION_MODES
-from .._curvature.estimators.fallbacks import check_on_unmatched
-from .._curvature.estimators.loss_checks import check_batch_size, check_loss_is_averaged
+from .._curvature.blocks._solver_cache import SolverChoice
+from .._curvature.estimators import EstimatorState
 from .._tracing.layer_data import LayerSpec
-from .quad_model import norm_constraint_scale
-
-
-logger = logging.getLogger("eqx_kfac")
+from .direction import PreconditionedGradient
+from .guard import GuardState, StepGuard
+from .preconditioner import CurvatureOptions, Preconditioner
+from .refresh import RefreshSchedule
 
 
 class KFACPreconditionerState(eqx.Module):
     """The optax state of `kfac_preconditioner` (final).
 
     All leaves are arrays whose shapes and dtypes never change, so the state works with
-    `optax.MultiSteps`, `optax.apply_if_finite`, `jax.lax.cond` and `eqx.tree_serialise_leaves`.
+    `optax.MultiSteps`, `jax.lax.cond` and `eqx.tree_serialise_leaves`.
 
     **Fields:**
 
@@ -48,53 +42,6 @@ class KFACPreconditionerState(eqx.Module):
 
     count: Int[Array, ""]
     estimator_state: EstimatorState
-
-
-_ESTIMATORS = LRUCache(maxsize=32)
-
-
-def _estimator(
-    loss_fn: Callable[..., Any],
-    example_args: tuple[Any, ...],
-    estimation_mode: str,
-    layer_tag_to_block_ctor: Mapping[str, Callable[[LayerSpec], CurvatureBlock]] | None,
-    inverse_solver: SolverChoice | None,
-    on_unmatched: str,
-    batch_size_extractor: Callable[[Any], Any] | None,
-) -> BlockDiagonalCurvature:
-    """The estimator for these arguments, built (tracing `loss_fn`) once per signature.
-
-    `optax.inject_hyperparams` rebuilds the transformation at every update, so without the cache
-    every update would trace the loss again. When it is built, the loss is checked against its
-    registrations (see `loss_checks`) on the example arguments.
-    """
-    abstract = abstract_arrays(example_args)
-    ctors = tuple(sorted((layer_tag_to_block_ctor or {}).items()))
-
-    def build() -> BlockDiagonalCurvature:
-        estimator = BlockDiagonalCurvature(
-            loss_fn,
-            abstract,
-            default_estimation_mode=estimation_mode,
-            layer_tag_to_block_ctor=dict(ctors) or None,
-            inverse_solver=inverse_solver,
-            on_unmatched=on_unmatched,
-        )
-        logger.info(
-            "eqx_kfac.kfac_preconditioner: curvature blocks (%d blocks, %d parameters):\n%s",
-            estimator.num_blocks, estimator.dim, estimator.registrations(),
-        )
-        batch_size = batch_size_of(estimator.func, example_args, 0, batch_size_extractor)
-        if batch_size_extractor is not None:
-            check_batch_size(estimator.func, example_args, batch_size)
-        check_loss_is_averaged(loss_fn, _loss_of, example_args, batch_size)
-        return estimator
-
-    key = (
-        loss_fn, signature(abstract), estimation_mode, ctors, inverse_solver, on_unmatched,
-        batch_size_extractor,
-    )
-    return _ESTIMATORS.get(key, build)
 
 
 def _loss_of(out: Any) -> Any:
@@ -108,6 +55,36 @@ def _check_int(name: str, value: Any) -> int:
             f"`optax.inject_hyperparams`, list it in `static_args`."
         )
     return value
+
+
+def _loss_args(num_loss_args: int, batch: Any, loss_args: Any) -> tuple[Any, ...]:
+    """The arguments of the loss after the model, from `update`'s `batch=` or `loss_args=`."""
+    if loss_args is None and num_loss_args == 1 and batch is not None:
+        loss_args = (batch,)
+    if loss_args is None or batch is not None and num_loss_args > 1:
+        call = "batch=..." if num_loss_args == 1 else f"loss_args=(...{num_loss_args} arguments...)"
+        raise ValueError(
+            "kfac_preconditioner: update needs this step's arguments of loss_fn after the "
+            f"model: call `update(grads, state, params, {call}, key=...)`."
+        )
+    if len(loss_args) != num_loss_args:
+        raise ValueError(
+            f"kfac_preconditioner: loss_args has {len(loss_args)} entries, but loss_fn takes "
+            f"{num_loss_args} arguments after the model (as in example_args)."
+        )
+    return tuple(loss_args)
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, KFACPreconditionerState):
+        raise TypeError(
+            "kfac_preconditioner: the state is a "
+            f"{type(state).__name__}, not the KFACPreconditionerState that init made. A checkpoint "
+            "restored without a template (e.g. orbax's restore without `item=`/`target=`) comes "
+            "back as plain dicts: restore it into the structure of `optimizer.init(params)` "
+            "(orbax: pass that as the template; Equinox: `eqx.tree_deserialise_leaves(path, "
+            "optimizer.init(params))`)."
+        )
 
 
 def kfac_preconditioner(
@@ -126,6 +103,11 @@ def kfac_preconditioner(
     inverse_solver: SolverChoice | None = None,
     on_unmatched: str = "warn",
     norm_constraint: float | ArrayLike | None = None,
+    index_to_block_ctor: Mapping[Any, Callable[[LayerSpec], CurvatureBlock]] | None = None,
+    graph_patterns: Sequence[Any] | None = None,
+    patterns_to_skip: Sequence[str] = (),
+    register_only_generic: bool = False,
+    auto_register_kwargs: Mapping[str, Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC preconditioning as an optax transformation: `g ↦ (C + (l2_reg + damping) I)⁻¹ g`.
 
@@ -186,7 +168,10 @@ def kfac_preconditioner(
     - `estimation_mode`: one of `fisher_gradients`, `fisher_empirical`, `fisher_exact`,
       `fisher_curvature_prop`, `ggn_exact`, `ggn_curvature_prop`.
     - `use_exact_inverses`: invert Kronecker blocks exactly instead of with pi-adjusted damping.
-    - `layer_tag_to_block_ctor`: block class per tag name, overriding the defaults.
+    - `layer_tag_to_block_ctor`: block class per tag name, overriding the defaults;
+      `index_to_block_ctor`: block class per layer (as for `BlockDiagonalCurvature`).
+    - `graph_patterns`, `patterns_to_skip`, `register_only_generic`, `auto_register_kwargs`:
+      which layers automatic registration finds (as for `Optimizer` and `auto_register_tags`).
     - `batch_size_extractor`: the batch size of `batch`; `None` (default): the leading dimension
       of the registered losses' inputs.
     - `inverse_solver`: the lineax solver of the blocks' inverses, as for
@@ -195,7 +180,7 @@ def kfac_preconditioner(
       or `lineax.CG(rtol, atol)`. It replaces the choice of `use_exact_inverses` for those
       blocks. With caching, the solver state is refreshed every `inverse_update_period` steps
       with the damping of that step. A failed solve (e.g. CG out of steps) gives NaNs: wrap the
-      chain in `optax.apply_if_finite` to skip such steps. (Under `optax.inject_hyperparams`, a
+      chain in `eqx_kfac.skip_non_finite` to skip such steps. (Under `optax.inject_hyperparams`, a
       function given here must be listed in `static_args` too.)
     - `norm_constraint`: `c`, or `None` (default): scale the preconditioned gradient `u = P g`
       by `min(1, sqrt(c / uᵀg))`, so that `uᵀg` (the step's squared length in the curvature's
@@ -205,6 +190,12 @@ def kfac_preconditioner(
     - `on_unmatched`: what to do when a parameter falls back to a generic (diagonal) block
       because no layer accounts for it: `"warn"` (a `UserWarning` naming the parameters),
       `"error"` or `"ignore"`; see `BlockDiagonalCurvature`.
+
+    **Faults.** A step whose gradient is not finite folds nothing into the curvature and leaves
+    the cached inverses as they are; a batch whose statistics are not finite (e.g. inputs so
+    large that a second moment overflows) is not folded in either. The preconditioned gradient
+    itself is returned as it is: wrap the chain in `eqx_kfac.skip_non_finite` (as `kfac_optax`
+    does) to leave parameters and state unchanged on such a step.
 
     The registration table (which block each parameter gets) is logged at INFO level on the
     `"eqx_kfac"` logger. When `example_args` are arrays, the loss is evaluated on them once: a
@@ -224,108 +215,131 @@ def kfac_preconditioner(
             "kfac_preconditioner: example_args must be `(model, batch)` (or `(model, *loss_args)`), "
             f"the arguments of loss_fn; got {len(example_args)} argument(s)."
         )
-    num_loss_args = len(example_args) - 1
-    if estimation_mode not in ESTIMATION_MODES:
-        raise ValueError(
-            f"kfac_preconditioner: unknown estimation_mode {estimation_mode!r}; expected one of "
-            f"{', '.join(ESTIMATION_MODES)}."
-        )
-    curvature_update_period = _check_int("curvature_update_period", curvature_update_period)
-    inverse_update_period = _check_int("inverse_update_period", inverse_update_period)
-    inverse_solver = check_solver_choice(inverse_solver, "kfac_preconditioner")
-    check_on_unmatched(on_unmatched, "kfac_preconditioner")
-    estimator = _estimator(
-        loss_fn, example_args, estimation_mode, layer_tag_to_block_ctor, inverse_solver,
-        on_unmatched, batch_size_extractor,
+    auto = dict(auto_register_kwargs or {})
+    if register_only_generic:
+        auto["register_only_generic"] = True
+    if patterns_to_skip:
+        auto["patterns_to_skip"] = tuple(patterns_to_skip)
+    if graph_patterns is not None:
+        auto["graph_patterns"] = tuple(graph_patterns)
+    preconditioner = Preconditioner(
+        CurvatureOptions(
+            estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+            index_to_block_ctor=index_to_block_ctor, auto_register_kwargs=auto,
+            inverse_solver=inverse_solver, on_unmatched=on_unmatched,
+            batch_size_extractor=batch_size_extractor,
+        ),
+        RefreshSchedule(
+            0, _check_int("curvature_update_period", curvature_update_period),
+            _check_int("inverse_update_period", inverse_update_period), curvature_ema,
+        ),
+        PreconditionedGradient(use_exact_inverses, norm_constraint),
     )
+    estimator = preconditioner.estimator(loss_fn, example_args, "eqx_kfac.kfac_preconditioner")
+    preconditioner.check_loss(loss_fn, _loss_of, example_args, estimator)
     static_model = eqx.filter(example_args[0], eqx.is_inexact_array, inverse=True)
-    use_cached = inverse_update_period != 1
-    if not use_cached:
-        exact, approx = None, None
-    else:
-        exact, approx = (-1, None) if use_exact_inverses else (None, -1)
+    num_loss_args = len(example_args) - 1
 
-    def model_from(params: PyTree) -> PyTree:
+    def init_fn(params: PyTree) -> KFACPreconditionerState:
+        del params
+        return KFACPreconditionerState(jnp.zeros((), jnp.int32), preconditioner.init(estimator))
+
+    def update_fn(
+        updates: PyTree, state: KFACPreconditionerState, params: PyTree = None, *,
+        batch: PyTree = None, key: PRNGKeyArray | None = None,
+        loss_args: tuple[Any, ...] | None = None, **extra_args: Any,
+    ) -> tuple[PyTree, KFACPreconditionerState]:
+        # Other transformations of a chain may take extra arguments of their own.
+        del extra_args
+        _check_state(state)
         if params is None:
             raise ValueError(
                 "kfac_preconditioner: update needs the current parameters: call "
                 "`update(grads, state, params, batch=..., key=...)`."
             )
-        return eqx.combine(eqx.filter(params, eqx.is_inexact_array), static_model)
-
-    def init_fn(params: PyTree) -> KFACPreconditionerState:
-        del params
-        return KFACPreconditionerState(
-            count=jnp.zeros((), jnp.int32),
-            estimator_state=estimator.init(None, exact, approx),
-        )
-
-    def update_fn(
-        updates: PyTree,
-        state: KFACPreconditionerState,
-        params: PyTree = None,
-        *,
-        batch: PyTree = None,
-        key: PRNGKeyArray | None = None,
-        loss_args: tuple[Any, ...] | None = None,
-        **extra_args: Any,
-    ) -> tuple[PyTree, KFACPreconditionerState]:
-        # Other transformations of a chain may take extra arguments of their own.
-        del extra_args
-        if loss_args is None and num_loss_args == 1 and batch is not None:
-            loss_args = (batch,)
-        if loss_args is None or batch is not None and num_loss_args > 1:
-            call = "batch=..." if num_loss_args == 1 else f"loss_args=(...{num_loss_args} arguments...)"
+        if key is None and not estimation_mode.endswith("_exact"):
             raise ValueError(
-                "kfac_preconditioner: update needs this step's arguments of loss_fn after the "
-                f"model: call `update(grads, state, params, {call}, key=...)`."
+                f"kfac_preconditioner: estimation_mode={estimation_mode!r} samples, so update "
+                "needs a PRNG key: call `update(grads, state, params, batch=..., key=...)`."
             )
-        loss_args = tuple(loss_args)
-        if len(loss_args) != num_loss_args:
-            raise ValueError(
-                f"kfac_preconditioner: loss_args has {len(loss_args)} entries, but loss_fn takes "
-                f"{num_loss_args} arguments after the model (as in example_args)."
-            )
-        if key is None:
-            if not estimation_mode.endswith("_exact"):
-                raise ValueError(
-                    f"kfac_preconditioner: estimation_mode={estimation_mode!r} samples, so update "
-                    "needs a PRNG key: call `update(grads, state, params, batch=..., key=...)`."
-                )
-            key = jax.random.key(0)
-        count = state.count
-        current_damping = damping(count) if callable(damping) else damping
-        identity_weight = l2_reg + jnp.asarray(current_damping)
-        func_args = (model_from(params), *loss_args)
-        batch_size = batch_size_of(estimator.func, func_args, 0, batch_size_extractor)
-
-        def update_curvature(estimator_state: EstimatorState) -> EstimatorState:
-            return estimator.update_curvature_matrix_estimate(
-                estimator_state, curvature_ema, 1.0, batch_size, key, func_args
-            )
-
-        estimator_state = periodic(
-            curvature_update_period, count, update_curvature, state.estimator_state
-        )
-        if use_cached:
-            estimator_state = periodic(
-                inverse_update_period,
-                count,
-                lambda s: estimator.update_cache(s, identity_weight, exact, approx),
-                estimator_state,
-            )
+        key = jax.random.key(0) if key is None else key
+        model = eqx.combine(eqx.filter(params, eqx.is_inexact_array), static_model)
+        func_args = (model, *_loss_args(num_loss_args, batch, loss_args))
         grads = eqx.filter(updates, eqx.is_inexact_array)
-        preconditioned = estimator.multiply_matpower(
-            estimator_state, grads, identity_weight, -1, use_exact_inverses, use_cached
+        finite = all_finite(grads)
+        current = damping(state.count) if callable(damping) else damping
+        identity_weight = l2_reg + jnp.asarray(current)
+        estimator_state = preconditioner.update_curvature(
+            estimator, state.estimator_state, state.count, finite, key, func_args,
+            preconditioner.batch_size(estimator, func_args),
         )
-        if norm_constraint is not None:
-            scale, _ = norm_constraint_scale(optax.tree.vdot(preconditioned, grads), 1.0, norm_constraint)
-            preconditioned = jax.tree.map(lambda p: p * scale, preconditioned)
-        preconditioned = jax.tree.map(lambda p, g: p.astype(g.dtype), preconditioned, grads)
-        new_state = KFACPreconditionerState(
-            count=optax.safe_increment(count), estimator_state=estimator_state
+        estimator_state = preconditioner.refresh_inverses(
+            estimator, estimator_state, state.count, finite, identity_weight
         )
-        return preconditioned, new_state
+        direction = preconditioner.precondition(estimator, estimator_state, grads, identity_weight, 1.0)
+        preconditioned = jax.tree.map(lambda p, g: p.astype(g.dtype), direction.direction, grads)
+        return preconditioned, KFACPreconditionerState(optax.safe_increment(state.count), estimator_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class SkipNonFiniteState(eqx.Module):
+    """The optax state of `skip_non_finite` (final).
+
+    **Fields:**
+
+    - `inner_state`: the wrapped transformation's state.
+    - `guard_state`: the count of skipped updates in a row.
+    - `total_skipped`: the number of skipped updates so far.
+    """
+
+    inner_state: PyTree
+    guard_state: GuardState
+    total_skipped: Int[Array, ""]
+
+
+def skip_non_finite(
+    inner: optax.GradientTransformation, max_consecutive_faults: int | None = 20
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transformation so that a step with anything non-finite changes nothing.
+
+    Unlike `optax.apply_if_finite`, which only looks at the incoming gradient, the step is skipped
+    (zero updates, the inner state kept as it was) when the incoming gradient, the outgoing
+    updates, or the loss passed as `value=` (when given) are not finite: the outgoing updates see
+    what a K-FAC preconditioner made of them (a failed solve, a curvature estimate that
+    overflowed). After `max_consecutive_faults` skipped steps in a row the run stops with an
+    error that says what happened (at run time, inside `jit` too), instead of skipping for ever.
+
+    **Arguments:**
+
+    - `inner`: the transformation to guard (e.g. a chain with `kfac_preconditioner`).
+    - `max_consecutive_faults`: the number of skipped steps in a row that raises (`None`: never).
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` whose state is a `SkipNonFiniteState`.
+    """
+    inner = optax.with_extra_args_support(inner)
+    guard = StepGuard(max_consecutive_faults=max_consecutive_faults)
+
+    def init_fn(params: PyTree) -> SkipNonFiniteState:
+        return SkipNonFiniteState(inner.init(params), guard.init(), jnp.zeros((), jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+        value = extra_args.get("value")
+        decision = guard.decide(
+            jnp.zeros(()) if value is None else jnp.asarray(value), updates, new_updates, None
+        )
+        applied = decision.applied
+        new_updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.zeros_like(u)), new_updates)
+        new_inner = jax.tree.map(
+            lambda n, o: jnp.where(applied, n, o) if eqx.is_array(n) else n, new_inner, state.inner_state
+        )
+        return new_updates, SkipNonFiniteState(
+            new_inner, guard.update(state.guard_state, decision),
+            state.total_skipped + (~applied).astype(jnp.int32),
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -338,13 +352,15 @@ def kfac_optax(
     damping: float | ArrayLike | optax.Schedule = 1e-2,
     norm_constraint: float | ArrayLike | None = 0.1,
     momentum: float | None = 0.9,
+    max_consecutive_faults: int | None = 20,
     **preconditioner_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC as a ready optax optimizer: the recipe that trains every model of the zoo as it is.
 
-    `optax.chain(kfac_preconditioner(loss_fn, example_args, damping=damping,
+    `skip_non_finite(optax.chain(kfac_preconditioner(loss_fn, example_args, damping=damping,
     norm_constraint=norm_constraint, ...), optax.trace(momentum), optax.scale_by_learning_rate(
-    learning_rate))`. The defaults (learning rate 0.1, damping 0.01, norm constraint 0.1,
+    learning_rate)))`: a step whose gradient or update is not finite (a NaN batch, a curvature
+    estimate that overflowed) leaves parameters and state unchanged. The defaults (learning rate 0.1, damping 0.01, norm constraint 0.1,
     momentum 0.9) trained all the models of the "Model gallery" page (CNN, ResNet with BatchNorm,
     transformer, GRU, LSTM, scan over layers, ...) without tuning; without the norm constraint the
     same recipe diverges on most of them. Use it like any optax optimizer, passing this step's
@@ -365,6 +381,7 @@ def kfac_optax(
     - `learning_rate`: a number or an optax schedule.
     - `damping`, `norm_constraint`: passed to `kfac_preconditioner` (see there).
     - `momentum`: the decay of `optax.trace`, or `None` for none.
+    - `max_consecutive_faults`: see `skip_non_finite`.
     - `**preconditioner_kwargs`: the other keywords of `kfac_preconditioner` (e.g.
       `inverse_update_period`, `estimation_mode`, `l2_reg`).
 
@@ -372,7 +389,7 @@ def kfac_optax(
 
     An `optax.GradientTransformationExtraArgs`.
     """
-    return optax.chain(
+    chain = optax.chain(
         kfac_preconditioner(
             loss_fn, example_args, damping=damping, norm_constraint=norm_constraint,
             **preconditioner_kwargs,
@@ -380,3 +397,4 @@ def kfac_optax(
         *([] if momentum is None else [optax.trace(momentum)]),
         optax.scale_by_learning_rate(learning_rate),
     )
+    return skip_non_finite(chain, max_consecutive_faults)

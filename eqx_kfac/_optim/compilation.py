@@ -1,0 +1,69 @@
+"""The compiled entry points of `Optimizer.step`: jit, `shard_map` and buffer donation.
+
+`Optimizer.step` calls `compiled_step`, which jits the pure `optimizer_step.step_body` once per
+argument structure (Equinox's `filter_jit` cache), runs it under `shard_map` when `multi_device`,
+and donates the argument buffers the optimizer was told to donate (kfac-jax's
+`donate_parameters`, `donate_optimizer_state`, `donate_batch_inputs`, `donate_func_state`). A
+donated argument's buffers are reused for the step's outputs, which saves a copy of the
+parameters and of the whole optimizer state (curvature factors and cached inverses) per step, but
+the caller's arrays are deleted: only donate what you replace with the step's outputs.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+
+from .._core import distributed as _distributed
+from .optimizer_step import burnin_update, step_body
+
+
+def _maybe_sharded(optimizer: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(optimizer, *args)`, under `shard_map` with the batch (`args[3]`) split when
+    `multi_device`."""
+    if not optimizer.multi_device:
+        return fn(optimizer, *args)
+    mesh = optimizer.mesh
+    if mesh is None:
+        mesh = _distributed.data_mesh(optimizer.pmap_axis_name)
+    return _distributed.sharded_call(
+        lambda *a: fn(optimizer, *a), mesh, optimizer.pmap_axis_name, args, batch_index=3
+    )
+
+
+@eqx.filter_jit
+def _jitted_step(optimizer, args, burnin_in_graph):
+    return _maybe_sharded(optimizer, step_body, *args, burnin_in_graph)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _jitted_donating_step(kept, donated, optimizer, burnin_in_graph):
+    # `filter_jit` donates every array argument but the first: the kept arguments travel there.
+    args = tuple(d if k is None else k for k, d in zip(kept, donated))
+    return _maybe_sharded(optimizer, step_body, *args, burnin_in_graph)
+
+
+def compiled_step(optimizer: Any, args: tuple[Any, ...], burnin_in_graph: bool) -> Any:
+    """Runs `step_body(optimizer, *args, burnin_in_graph)` compiled, donating as configured.
+
+    **Arguments:**
+
+    - `optimizer`: the `Optimizer`.
+    - `args`: `(params, state, rng, batch, func_state, given)`.
+    - `burnin_in_graph`: whether the burn-in runs inside the step (no `data_iterator`).
+
+    **Returns:**
+
+    The step's outputs.
+    """
+    if not optimizer.donated:
+        return _jitted_step(optimizer, args, burnin_in_graph)
+    kept = tuple(None if i in optimizer.donated else a for i, a in enumerate(args))
+    donated = tuple(a if i in optimizer.donated else None for i, a in enumerate(args))
+    return _jitted_donating_step(kept, donated, optimizer, burnin_in_graph)
+
+
+@eqx.filter_jit
+def jitted_burnin(optimizer, params, state, key, batch, func_state):
+    """One compiled burn-in curvature update (`optimizer_step.burnin_update`), never donating."""
+    return _maybe_sharded(optimizer, burnin_update, params, state, key, batch, func_state)

@@ -1,0 +1,127 @@
+"""The step guard: whether a proposed update is applied, and what happens when none is for long.
+
+A step is *skipped* when its loss, gradient or update is not finite, and *rejected* (with step
+rejection) when the loss on its batch rises after the update. Either way the parameters and the
+step rule's state stay as they were. The guard counts such steps in a row and stops the run with
+an error that says what happened once there are `max_consecutive_faults` of them, instead of
+skipping for ever in silence.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PyTree
+
+from .._core.tree import all_finite
+
+
+class GuardState(eqx.Module):
+    """The state of a `StepGuard` (final).
+
+    **Fields:**
+
+    - `consecutive_faults`: the number of steps in a row that were skipped or rejected.
+    """
+
+    consecutive_faults: Int[Array, ""]
+
+
+class GuardDecision(eqx.Module):
+    """What the guard decided about one step (final).
+
+    **Fields:**
+
+    - `applied`: the update is applied.
+    - `skipped`: it is not, because the loss, gradient or update is not finite.
+    - `rejected`: it is not, because the loss on the step's batch rose (step rejection).
+    """
+
+    applied: Bool[Array, ""]
+    skipped: Bool[Array, ""]
+    rejected: Bool[Array, ""]
+
+
+_FAULTS_MESSAGE = (
+    "eqx_kfac: {n} consecutive steps were not applied: each had a loss, gradient or update that "
+    "was not finite (skipped), or a loss that rose after the update (rejected). Parameters and "
+    "optimizer state are as they were before these steps. Check the batches for NaN or Inf, the "
+    "model's numerics (overflow in float16/bfloat16), the loss's scale and the damping (raise "
+    "initial_damping / min_damping); stats['skipped'] and stats['rejected'] show which. Pass "
+    "max_consecutive_faults=None to keep skipping instead of stopping."
+)
+
+
+class StepGuard(eqx.Module):
+    """Decides whether each proposed update is applied (final).
+
+    **Fields:**
+
+    - `skip_non_finite`: skip a step whose loss, gradient or update is not finite (else it is
+      applied as it is).
+    - `reject_loss_increase`: reject a step whose loss on the same batch rises after the update,
+      or is not finite there (kfac-jax's `use_step_rejection`; costs one more evaluation of the
+      loss per step).
+    - `max_consecutive_faults`: stop with an error after this many skipped or rejected steps in a
+      row (`None`: never).
+    """
+
+    skip_non_finite: bool = eqx.field(static=True, default=True)
+    reject_loss_increase: bool = eqx.field(static=True, default=False)
+    max_consecutive_faults: int | None = eqx.field(static=True, default=20)
+
+    def __check_init__(self):
+        n = self.max_consecutive_faults
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"max_consecutive_faults must be None or an integer >= 1, got {n!r}.")
+
+    def init(self) -> GuardState:
+        """The guard's state before the first step."""
+        return GuardState(jnp.zeros((), jnp.int32))
+
+    def decide(
+        self,
+        loss: Float[Array, ""],
+        grads: PyTree[Array],
+        delta: PyTree[Array],
+        new_loss: Float[Array, ""] | None,
+    ) -> GuardDecision:
+        """The decision on one step.
+
+        **Arguments:**
+
+        - `loss`, `grads`: the step's loss and gradient.
+        - `delta`: the proposed update.
+        - `new_loss`: the loss after the update on the same batch (required with
+          `reject_loss_increase`, else ignored).
+
+        **Returns:**
+
+        A `GuardDecision`.
+        """
+        if self.skip_non_finite:
+            skipped = ~(jnp.isfinite(loss) & all_finite(grads) & all_finite(delta))
+        else:
+            skipped = jnp.zeros((), bool)
+        if self.reject_loss_increase:
+            rejected = ~skipped & ~(new_loss <= loss)
+        else:
+            rejected = jnp.zeros((), bool)
+        return GuardDecision(~(skipped | rejected), skipped, rejected)
+
+    def update(self, state: GuardState, decision: GuardDecision) -> GuardState:
+        """The state after a step; raises (at run time, inside `jit` too) when the faults in a row
+        reach `max_consecutive_faults`.
+
+        **Arguments:**
+
+        - `state`: the guard's state.
+        - `decision`: this step's decision.
+
+        **Returns:**
+
+        The new `GuardState`.
+        """
+        count = jnp.where(decision.applied, 0, state.consecutive_faults + 1).astype(jnp.int32)
+        if self.max_consecutive_faults is not None:
+            message = _FAULTS_MESSAGE.format(n=self.max_consecutive_faults)
+            count = eqx.error_if(count, count >= self.max_consecutive_faults, message)
+        return GuardState(count)

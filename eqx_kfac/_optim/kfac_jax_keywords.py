@@ -1,0 +1,170 @@
+"""The translation of `Optimizer`'s kfac-jax keywords into its parts.
+
+`KEYWORDS` is the one place where the keywords that build a part, and their defaults, are written
+(`Optimizer.__init__` repeats the defaults in its signature for users' sake; a test checks that they
+agree). `parts_from_keywords` builds each part from its keywords, unless the part was given
+directly, in which case giving any of its keywords too is an error.
+"""
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from .damping import AbstractDampingRule, GivenDamping, LevenbergMarquardtDamping, ScheduledDamping
+from .direction import AbstractDirection, PreconditionedGradient
+from .guard import StepGuard
+from .hyperparameters import (
+    AbstractHyperparameter,
+    AdaptiveHyperparameter,
+    GivenHyperparameter,
+    ScheduledHyperparameter,
+)
+from .refresh import AbstractRefreshSchedule, RefreshSchedule
+from .step_rule import AbstractStepRule, MomentumStep
+
+# The keywords each part replaces when it is given directly, with their defaults.
+KEYWORDS: Mapping[str, Mapping[str, Any]] = {
+    "damping_rule": dict(
+        use_adaptive_damping=False, damping_schedule=None, initial_damping=None, min_damping=1e-8,
+        max_damping=math.inf, damping_adaptation_interval=5, damping_adaptation_decay=0.9,
+        damping_lower_threshold=0.25, damping_upper_threshold=0.75,
+        always_use_exact_qmodel_for_damping_adjustment=False, reject_damping_increase_factor=2.0,
+    ),
+    "step_rule": dict(
+        use_adaptive_learning_rate=False, learning_rate_schedule=None, use_adaptive_momentum=False,
+        momentum_schedule=None, include_damping_in_quad_change=False,
+        adaptive_learning_rate_bounds=(0.0, 10.0), adaptive_momentum_bounds=(-0.95, 0.95),
+    ),
+    "direction": dict(use_exact_inverses=False, norm_constraint=None, distributed_precon_apply=True),
+    "refresh": dict(
+        num_burnin_steps=10, curvature_update_period=1, inverse_update_period=5, curvature_ema=0.95
+    ),
+    "guard": dict(skip_non_finite=True, use_step_rejection=True, max_consecutive_faults=20),
+}
+
+# The initial damping of adaptive damping when none is given: right for losses of order one.
+DEFAULT_INITIAL_DAMPING = 1e-2
+
+
+class Parts(NamedTuple):
+    """The parts the keywords describe (or that were given directly)."""
+
+    damping_rule: AbstractDampingRule
+    step_rule: AbstractStepRule
+    direction: AbstractDirection
+    refresh: AbstractRefreshSchedule
+    guard: StepGuard
+
+
+def _changed(part: str, keywords: Mapping[str, Any]) -> list[str]:
+    defaults = KEYWORDS[part]
+    return [n for n in defaults if keywords[n] is not defaults[n] and keywords[n] != defaults[n]]
+
+
+def _source(adaptive: bool, schedule: Any, bounds: tuple[float, float] | None, name: str) -> AbstractHyperparameter:
+    if adaptive and schedule is not None:
+        raise ValueError(
+            f"use_adaptive_{name}=True and a {name}_schedule were both given; the {name} is either "
+            "adapted or scheduled. Drop one of them."
+        )
+    if adaptive:
+        lower, upper = (-math.inf, math.inf) if bounds is None else bounds
+        return AdaptiveHyperparameter(float(lower), float(upper))
+    return GivenHyperparameter() if schedule is None else ScheduledHyperparameter(schedule)
+
+
+def _damping_rule(k: Mapping[str, Any]) -> AbstractDampingRule:
+    if k["use_adaptive_damping"] and k["damping_schedule"] is not None:
+        raise ValueError(
+            "use_adaptive_damping=True and a damping_schedule were both given; the damping is "
+            "either adapted or scheduled. Drop one of them."
+        )
+    if k["use_adaptive_damping"]:
+        initial = DEFAULT_INITIAL_DAMPING if k["initial_damping"] is None else k["initial_damping"]
+        return LevenbergMarquardtDamping(
+            initial_damping=initial, interval=k["damping_adaptation_interval"],
+            decay=k["damping_adaptation_decay"], lower=k["damping_lower_threshold"],
+            upper=k["damping_upper_threshold"], minimum=k["min_damping"], maximum=k["max_damping"],
+            always_exact=k["always_use_exact_qmodel_for_damping_adjustment"],
+            include_damping_in_quad_change=k["include_damping_in_quad_change"],
+            fault_increase=k["reject_damping_increase_factor"],
+        )
+    if k["damping_schedule"] is not None:
+        return ScheduledDamping(k["damping_schedule"])
+    return GivenDamping()
+
+
+def _step_rule(k: Mapping[str, Any]) -> AbstractStepRule:
+    if k["norm_constraint"] is not None and k["use_adaptive_learning_rate"]:
+        raise ValueError(
+            "norm_constraint cannot be used with use_adaptive_learning_rate=True: the adaptive "
+            "learning rate already chooses the step length. Drop one of them."
+        )
+    return MomentumStep(
+        _source(k["use_adaptive_learning_rate"], k["learning_rate_schedule"],
+                k["adaptive_learning_rate_bounds"], "learning_rate"),
+        _source(k["use_adaptive_momentum"], k["momentum_schedule"],
+                k["adaptive_momentum_bounds"], "momentum"),
+        k["include_damping_in_quad_change"],
+    )
+
+
+_BUILDERS: Mapping[str, Callable[[Mapping[str, Any]], Any]] = {
+    "damping_rule": _damping_rule,
+    "step_rule": _step_rule,
+    "direction": lambda k: PreconditionedGradient(
+        k["use_exact_inverses"], k["norm_constraint"], k["distributed_precon_apply"]
+    ),
+    "refresh": lambda k: RefreshSchedule(
+        k["num_burnin_steps"], k["curvature_update_period"], k["inverse_update_period"],
+        k["curvature_ema"],
+    ),
+    "guard": lambda k: StepGuard(
+        k["skip_non_finite"], k["use_step_rejection"], k["max_consecutive_faults"]
+    ),
+}
+
+
+# The fields of the parts that the keywords set, for errors raised by the parts themselves.
+_FIELD_KEYWORDS = {
+    "initial_damping": "initial_damping", "interval": "damping_adaptation_interval",
+    "decay": "damping_adaptation_decay", "lower": "damping_lower_threshold",
+    "upper": "damping_upper_threshold", "minimum": "min_damping", "maximum": "max_damping",
+    "fault_increase": "reject_damping_increase_factor",
+}
+
+
+def _in_keywords(part: str, error: ValueError) -> ValueError:
+    named = [f"{field} is {keyword}" for field, keyword in _FIELD_KEYWORDS.items() if field in str(error)]
+    hint = f" (from the Optimizer keywords: {', '.join(named)})" if named and part == "damping_rule" else ""
+    return ValueError(f"{error}{hint}")
+
+
+def parts_from_keywords(keywords: Mapping[str, Any], given: Mapping[str, Any]) -> Parts:
+    """Builds the parts from the kfac-jax keywords, or takes the ones given directly.
+
+    **Arguments:**
+
+    - `keywords`: every keyword of `KEYWORDS` by name (the constructor's values).
+    - `given`: the parts given directly by name (`None` where not given).
+
+    **Returns:**
+
+    The `Parts`.
+    """
+    parts = {}
+    for part, build in _BUILDERS.items():
+        if given[part] is None:
+            try:
+                parts[part] = build(keywords)
+            except ValueError as error:
+                raise _in_keywords(part, error) from None
+            continue
+        changed = _changed(part, keywords)
+        if changed:
+            raise ValueError(
+                f"Optimizer got {part}= and the keywords {changed}, which that part replaces; pass "
+                f"them to the {type(given[part]).__name__} instead (or drop {part}=)."
+            )
+        parts[part] = given[part]
+    return Parts(**parts)

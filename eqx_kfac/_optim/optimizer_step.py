@@ -1,0 +1,186 @@
+"""The body of one `Optimizer` step, pure, and the burn-in update; compiled by `compilation.py`.
+
+One step, in kfac-jax's order: loss and gradient; damping; curvature updates (with the burn-in at
+step 0) and the cache refresh; direction; proposed update; the guard's decision (skip a step that
+is not finite, reject one that raises the loss); damping adaptation. What each outcome keeps:
+
+- loss or gradient not finite: nothing changes but the guard's count of faults;
+- update not finite, or rejected: parameters and step-rule state (velocity) are kept; the
+  curvature statistics take the batch, the damping reacts, the counters advance;
+- applied: everything moves on.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from .._core import distributed as _distributed
+from .._core.control_flow import select_changed
+from .._core.tree import all_finite
+from .damping import StepOutcome
+from .optimizer_state import OptimizerState
+from .step_context import GivenValues, StepContext
+
+if TYPE_CHECKING:
+    from .optimizer import Optimizer
+
+
+def _curvature_args(optimizer: "Optimizer", params: Any, func_state: Any, batch: Any):
+    """The value function's arguments for a curvature update with key `k` (its randomness, if
+    any, drawn from `k`)."""
+
+    def args_of(key: PRNGKeyArray) -> tuple[Any, ...]:
+        _, func_key = optimizer.function.keys(key, None)
+        return optimizer.function.args(params, func_state, func_key, batch)
+
+    return args_of
+
+
+def burnin_update(
+    optimizer: "Optimizer", params: Any, state: OptimizerState, key: PRNGKeyArray, batch: Any, func_state: Any
+) -> OptimizerState:
+    """One burn-in curvature update from a data iterator: summed statistics."""
+    func_args = _curvature_args(optimizer, params, func_state, optimizer.function.process(batch))(key)
+    estimator, implicit = optimizer.estimators(func_args)
+    estimator_state = estimator.update_curvature_matrix_estimate(
+        state.estimator_state, 1.0, 1.0, implicit.batch_size(func_args), key, func_args,
+        axis_name=optimizer.axis_name,
+    )
+    return eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
+
+
+def _norms(optimizer: "Optimizer", params: Any, grads: Any, direction: Any, delta: Any) -> dict[str, Array]:
+    """The norms asked for by `include_norms_in_stats` (whole vectors) and
+    `include_per_param_norms_in_stats` (per leaf, named `name(path)`)."""
+    trees = dict(
+        param_norm=eqx.filter(params, eqx.is_inexact_array), grad_norm=grads,
+        precon_grad_norm=direction, update_norm=delta,
+    )
+    norms = {}
+    if optimizer.include_norms_in_stats:
+        norms.update({name: optax.tree.norm(tree) for name, tree in trees.items()})
+    if optimizer.include_per_param_norms_in_stats:
+        norms.update({
+            f"{name}({jax.tree_util.keystr(path).lstrip('.')})": jnp.linalg.norm(leaf.reshape(-1))
+            for name, tree in trees.items()
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        })
+    return norms
+
+
+def _evaluate(
+    optimizer: "Optimizer", params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
+    func_state: Any, given: GivenValues,
+) -> tuple[StepContext, PRNGKeyArray, Any, Any]:
+    """The loss and gradient, as a `StepContext`; the curvature's key, new function state, aux."""
+    function, axis = optimizer.function, optimizer.axis_name
+    key, func_key = function.keys(rng, axis)
+    func_args = function.args(params, func_state, func_key, function.process(batch))
+    estimator, implicit = optimizer.estimators(func_args)
+    out, grads = function.value_and_grad(*func_args)
+    loss, new_func_state, aux = function.split(_distributed.pmean(out, axis))
+    context = StepContext(
+        state.step_counter, state.data_seen, func_args, loss,
+        _distributed.pmean(eqx.filter(grads, eqx.is_inexact_array), axis), estimator,
+        state.estimator_state, implicit, optimizer.preconditioner.curvature.estimation_mode,
+        optimizer.l2_reg, axis, function.value, function.loss_of, given,
+    )
+    return context, key, new_func_state, aux
+
+
+def _refreshed_curvature(
+    optimizer: "Optimizer", context: StepContext, key: PRNGKeyArray, finite: Any,
+    identity_weight: Array, burnin_in_graph: bool, params: Any, func_state: Any, batch: Any,
+) -> Any:
+    """The estimator state after this step's curvature updates and cache refresh (none of them
+    on a step whose loss or gradient is not finite)."""
+    preconditioner, estimator = optimizer.preconditioner, context.estimator
+    estimator_state = preconditioner.update_curvature(
+        estimator, context.estimator_state, context.step, finite, key,
+        _curvature_args(optimizer, params, func_state, optimizer.function.process(batch)),
+        context.implicit.batch_size(context.func_args), burnin_in_graph, optimizer.axis_name,
+    )
+    # The refresh needs no select of its own (a copy of the whole cache): a failed inverse keeps
+    # its previous value, and so does a block's failed solver factorisation.
+    return preconditioner.refresh_inverses(
+        estimator, estimator_state, context.step, finite, identity_weight, optimizer.axis_name,
+        optimizer.multi_device and optimizer.distributed_inverses,
+    )
+
+
+def _apply(params: PyTree, delta: PyTree) -> PyTree:
+    """`params + delta`, each parameter keeping its dtype (bf16 parameters, float32 updates)."""
+    delta = jax.tree.map(lambda d, p: d.astype(p.dtype), delta, eqx.filter(params, eqx.is_inexact_array))
+    return eqx.apply_updates(params, delta)
+
+
+def step_body(
+    optimizer: "Optimizer", params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
+    func_state: Any, given: GivenValues, burnin_in_graph: bool,
+) -> tuple[Any, ...]:
+    """One K-FAC step of `optimizer`, as `Optimizer.step` returns it (pure; jitted by the caller).
+
+    **Arguments:**
+
+    - `optimizer`: the `Optimizer`.
+    - `params`, `state`, `rng`, `batch`, `func_state`: as for `Optimizer.step`.
+    - `given`: the `GivenValues` passed to `step`.
+    - `burnin_in_graph`: whether the burn-in runs inside the step (no `data_iterator`).
+
+    **Returns:**
+
+    `(params, state, stats)`, or `(params, state, func_state, stats)` when `value_func_has_state`.
+    """
+    context, key, new_func_state, aux = _evaluate(optimizer, params, state, rng, batch, func_state, given)
+    guard = optimizer.guard
+    finite = jnp.isfinite(context.loss) & all_finite(context.grads) if guard.skip_non_finite else None
+    damping = optimizer.damping_rule.value(state.damping_state, context)
+    identity_weight = optimizer.l2_reg + damping
+    estimator_state = _refreshed_curvature(
+        optimizer, context, key, finite, identity_weight, burnin_in_graph, params, func_state, batch
+    )
+    context = eqx.tree_at(lambda c: c.estimator_state, context, estimator_state)
+    direction = optimizer.preconditioner.precondition(
+        context.estimator, estimator_state, context.grads, identity_weight,
+        optimizer.step_rule.fixed_learning_rate(context), optimizer.axis_name,
+    )
+    proposal = optimizer.step_rule(direction.direction, state.step_rule_state, damping, context)
+    candidate = _apply(params, proposal.delta)
+    new_loss = context.loss_at(candidate) if guard.reject_loss_increase else None
+    decision = guard.decide(context.loss, context.grads, proposal.delta, new_loss)
+    outcome = StepOutcome(
+        proposal.delta, candidate, proposal.coefficients.quad_change, new_loss, decision.applied,
+        ~decision.applied,
+    )
+    damping_state, report = optimizer.damping_rule.update(state.damping_state, damping, outcome, context)
+    batch_size = _distributed.global_batch_size(
+        context.implicit.batch_size(context.func_args), optimizer.axis_name
+    )
+    moved = OptimizerState(
+        step_rule_state=select_changed(decision.applied, proposal.state, state.step_rule_state),
+        damping_state=damping_state, guard_state=state.guard_state,
+        estimator_state=estimator_state, examples_seen=state.examples_seen.add(batch_size),
+        step_counter=state.step_counter + 1, batch_signature=state.batch_signature,
+        params_signature=state.params_signature,
+    )
+    # The estimator state is gated already (its updates and refresh by `finite`).
+    kept = eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
+    new_state = select_changed(finite, moved, kept)
+    new_state = eqx.tree_at(lambda s: s.guard_state, new_state, guard.update(state.guard_state, decision))
+    new_params = select_changed(decision.applied, candidate, params)
+    stats = dict(
+        step=new_state.step_counter, batch_size=jnp.asarray(batch_size), data_seen=new_state.data_seen,
+        loss=context.loss, new_loss=report.new_loss, learning_rate=proposal.coefficients.learning_rate,
+        momentum=proposal.coefficients.momentum, damping=damping, rho=report.rho,
+        quad_model_change=report.quad_change, skipped=decision.skipped, rejected=decision.rejected,
+        curvature_update_dropped=estimator_state.dropped_updates > state.estimator_state.dropped_updates,
+        **direction.stats, **({} if aux is None else {"aux": aux}),
+        **_norms(optimizer, new_params, context.grads, direction.direction, proposal.delta),
+    )
+    if optimizer.function.has_state:
+        return new_params, new_state, select_changed(finite, new_func_state, func_state), stats
+    return new_params, new_state, stats

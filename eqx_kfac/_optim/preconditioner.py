@@ -1,0 +1,256 @@
+"""The K-FAC preconditioner that `Optimizer` and `kfac_preconditioner` share.
+
+`Preconditioner` holds everything about the curvature that both entry points have in common: how
+the estimator is built (`CurvatureOptions`: estimation mode, blocks, graph patterns, solver), when
+its statistics and cached inverses are refreshed (an `AbstractRefreshSchedule`), and the direction
+it turns a gradient into (an `AbstractDirection`). The estimator is built (tracing the loss) once
+per loss, configuration and argument signature, and cached outside the preconditioner, which holds
+no mutable state.
+"""
+
+import logging
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
+
+from .._core.cache import LRUCache
+from .._core.tree import abstract_arrays, signature
+from .._curvature.blocks._solver_cache import check_solver_choice, SolverChoice
+from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState
+from .._curvature.estimators.base import batch_size_of
+from .._curvature.estimators.distributed import distributed_update_cache
+from .._curvature.estimators.fallbacks import check_on_unmatched
+from .._curvature.estimators.loss_checks import check_batch_size, check_loss_is_averaged
+from .._curvature.estimators.modes import ESTIMATION_MODES
+from .direction import AbstractDirection, DirectionOutcome, PreconditionedGradient
+from .refresh import AbstractRefreshSchedule, RefreshSchedule
+
+
+logger = logging.getLogger("eqx_kfac")
+
+# Building an estimator traces the loss: once per loss, configuration and argument signature.
+_ESTIMATORS = LRUCache(maxsize=32)
+
+
+def _sorted_items(mapping: Mapping[Any, Any] | None) -> tuple[tuple[Any, Any], ...]:
+    return tuple(sorted((mapping or {}).items(), key=lambda item: repr(item[0])))
+
+
+class CurvatureOptions(eqx.Module):
+    """How the K-FAC estimator is built from the loss (final; every field static and hashable).
+
+    **Fields:**
+
+    - `estimation_mode`: one of `fisher_gradients`, `fisher_empirical`, `fisher_exact`,
+      `fisher_curvature_prop`, `ggn_exact`, `ggn_curvature_prop`.
+    - `layer_tag_to_block_ctor`: block constructor per tag name, as `(tag, ctor)` pairs.
+    - `index_to_block_ctor`: block constructor per layer (parameter indices or a parameter
+      path), as pairs.
+    - `auto_register_kwargs`: arguments of `auto_register_tags` (`graph_patterns`,
+      `patterns_to_skip`, `register_only_generic`, ...), as pairs.
+    - `inverse_solver`: the lineax solver choice of the blocks' inverses.
+    - `on_unmatched`: `"warn"`, `"error"` or `"ignore"` for parameters that fall back to a
+      generic block.
+    - `batch_size_extractor`: the batch size of a batch, or `None` for the registered losses'.
+    """
+
+    estimation_mode: str = eqx.field(static=True)
+    layer_tag_to_block_ctor: tuple[tuple[str, Callable], ...] = eqx.field(static=True)
+    index_to_block_ctor: tuple[tuple[Hashable, Callable], ...] = eqx.field(static=True)
+    auto_register_kwargs: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    inverse_solver: SolverChoice | None = eqx.field(static=True)
+    on_unmatched: str = eqx.field(static=True)
+    batch_size_extractor: Callable[[Any], Any] | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        *,
+        estimation_mode: str = "fisher_gradients",
+        layer_tag_to_block_ctor: Mapping[str, Callable] | None = None,
+        index_to_block_ctor: Mapping[Hashable, Callable] | None = None,
+        auto_register_kwargs: Mapping[str, Any] | None = None,
+        inverse_solver: SolverChoice | None = None,
+        on_unmatched: str = "warn",
+        batch_size_extractor: Callable[[Any], Any] | None = None,
+    ):
+        """**Arguments:** the fields, with mappings given as mappings."""
+        if estimation_mode not in ESTIMATION_MODES:
+            raise ValueError(
+                f"Unknown estimation_mode {estimation_mode!r}; expected one of "
+                f"{', '.join(ESTIMATION_MODES)}."
+            )
+        self.estimation_mode = estimation_mode
+        self.layer_tag_to_block_ctor = _sorted_items(layer_tag_to_block_ctor)
+        self.index_to_block_ctor = _sorted_items(index_to_block_ctor)
+        self.auto_register_kwargs = _sorted_items(
+            {k: tuple(v) if isinstance(v, list) else v for k, v in (auto_register_kwargs or {}).items()}
+        )
+        self.inverse_solver = check_solver_choice(inverse_solver, "CurvatureOptions")
+        self.on_unmatched = check_on_unmatched(on_unmatched, "CurvatureOptions")
+        self.batch_size_extractor = batch_size_extractor
+
+    def build(self, func: Callable[..., Any], abstract_args: tuple[Any, ...]) -> BlockDiagonalCurvature:
+        """The estimator of `func` for arguments like `abstract_args` (traces `func`)."""
+        return BlockDiagonalCurvature(
+            func,
+            abstract_args,
+            default_estimation_mode=self.estimation_mode,
+            layer_tag_to_block_ctor=dict(self.layer_tag_to_block_ctor) or None,
+            index_to_block_ctor=dict(self.index_to_block_ctor) or None,
+            inverse_solver=self.inverse_solver,
+            on_unmatched=self.on_unmatched,
+            **dict(self.auto_register_kwargs),
+        )
+
+
+class Preconditioner(eqx.Module):
+    """The K-FAC preconditioner: the curvature estimate, its refresh schedule and the direction
+    (final). `Optimizer` and `kfac_preconditioner` each hold one.
+
+    **Fields:**
+
+    - `curvature`: the `CurvatureOptions` of the estimator.
+    - `refresh`: the `AbstractRefreshSchedule`.
+    - `direction`: the `AbstractDirection`.
+    """
+
+    curvature: CurvatureOptions = eqx.field(default_factory=CurvatureOptions)
+    refresh: AbstractRefreshSchedule = eqx.field(default_factory=RefreshSchedule)
+    direction: AbstractDirection = eqx.field(default_factory=PreconditionedGradient)
+
+    def estimator(
+        self, func: Callable[..., Any], func_args: Sequence[Any], who: str = "eqx_kfac"
+    ) -> BlockDiagonalCurvature:
+        """The estimator of `func` for arguments of this structure and these shapes.
+
+        Built on first use (tracing `func` once and logging the registration table at INFO level
+        on the `"eqx_kfac"` logger), and cached afterwards for every preconditioner with the same
+        function and curvature options.
+
+        **Arguments:**
+
+        - `func`: the loss function; it registers its losses.
+        - `func_args`: its arguments (arrays or `jax.ShapeDtypeStruct`s).
+        - `who`: the caller's name, for the log.
+
+        **Returns:**
+
+        A `BlockDiagonalCurvature`.
+        """
+        abstract = abstract_arrays(tuple(func_args))
+
+        def build() -> BlockDiagonalCurvature:
+            estimator = self.curvature.build(func, abstract)
+            logger.info(
+                "%s: curvature blocks (%d blocks, %d parameters):\n%s",
+                who, estimator.num_blocks, estimator.dim, estimator.registrations(),
+            )
+            return estimator
+
+        return _ESTIMATORS.get((func, self.curvature, signature(abstract)), build)
+
+    def batch_size(self, estimator: BlockDiagonalCurvature, func_args: Sequence[Any]) -> Any:
+        """The number of examples in `func_args` (the extractor's, or the registered losses')."""
+        return batch_size_of(estimator.func, func_args, 0, self.curvature.batch_size_extractor)
+
+    def check_loss(
+        self,
+        func: Callable[..., Any],
+        loss_of: Callable[[Any], Any],
+        func_args: Sequence[Any],
+        estimator: BlockDiagonalCurvature,
+    ) -> None:
+        """Checks the loss against its registrations on concrete arguments: a loss summed over
+        the batch raises `ValueError`; an explicit batch size that is not the registrations'
+        warns (see `loss_checks`)."""
+        batch_size = self.batch_size(estimator, func_args)
+        if self.curvature.batch_size_extractor is not None:
+            check_batch_size(estimator.func, func_args, batch_size)
+        check_loss_is_averaged(func, loss_of, func_args, batch_size)
+
+    def init(self, estimator: BlockDiagonalCurvature, key: PRNGKeyArray | None = None) -> EstimatorState:
+        """The estimator's state, with the direction's powers cached when the schedule caches."""
+        exact, approx = self.direction.powers_to_cache() if self.refresh.use_cached else (None, None)
+        return estimator.init(key, exact, approx)
+
+    def update_curvature(
+        self,
+        estimator: BlockDiagonalCurvature,
+        state: EstimatorState,
+        step: Int[Array, ""],
+        gate: Bool[Array, ""] | None,
+        key: PRNGKeyArray,
+        func_args: Callable[[PRNGKeyArray], Sequence[Any]] | Sequence[Any],
+        batch_size: ArrayLike,
+        burnin_in_graph: bool = False,
+        axis_name: Hashable | None = None,
+    ) -> EstimatorState:
+        """This step's curvature updates on the refresh schedule (burn-in at step 0 with
+        `burnin_in_graph`, then the periodic update), skipped where `gate` is false. A batch whose
+        statistics are not finite is not folded in (`EstimatorState.dropped_updates` counts it).
+
+        **Arguments:**
+
+        - `estimator`, `state`: the estimator and its state.
+        - `step`: the step counter.
+        - `gate`: whether the step may update the curvature (`None`: always).
+        - `key`: the step's PRNG key (for the sampled estimation modes).
+        - `func_args`: the loss function's arguments, or a function from an update's key to them
+          (for a loss that takes a key).
+        - `batch_size`: the number of examples per device.
+        - `burnin_in_graph`: whether the burn-in runs inside this call.
+        - `axis_name`: the data axis inside a multi-device step.
+
+        **Returns:**
+
+        The updated state.
+        """
+        args_of = func_args if callable(func_args) else (lambda _: func_args)
+
+        def update(s: EstimatorState, ema_old: ArrayLike, k: PRNGKeyArray) -> EstimatorState:
+            return estimator.update_curvature_matrix_estimate(
+                s, ema_old, 1.0, batch_size, k, args_of(k), axis_name=axis_name
+            )
+
+        return self.refresh.update_curvature(state, step, gate, key, burnin_in_graph, update)
+
+    def refresh_inverses(
+        self,
+        estimator: BlockDiagonalCurvature,
+        state: EstimatorState,
+        step: Int[Array, ""],
+        gate: Bool[Array, ""] | None,
+        identity_weight: ArrayLike,
+        axis_name: Hashable | None = None,
+        distributed: bool = False,
+    ) -> EstimatorState:
+        """The cache refresh on the schedule, damped by `identity_weight`, skipped where `gate`
+        is false; with `distributed` (inside a multi-device step) each block's factorisation runs
+        on one device and is shared. A failed inverse keeps its previous value."""
+        exact, approx = self.direction.powers_to_cache()
+
+        def refresh(s: EstimatorState) -> EstimatorState:
+            if distributed and axis_name is not None:
+                return distributed_update_cache(estimator, s, identity_weight, exact, approx, axis_name)
+            return estimator.update_cache(s, identity_weight, exact, approx)
+
+        return self.refresh.refresh_inverses(state, step, gate, refresh)
+
+    def precondition(
+        self,
+        estimator: BlockDiagonalCurvature,
+        state: EstimatorState,
+        grads: PyTree[Array],
+        identity_weight: ArrayLike,
+        learning_rate: ArrayLike | None,
+        axis_name: Hashable | None = None,
+    ) -> DirectionOutcome:
+        """The direction for `grads` (`self.direction` with the schedule's cache)."""
+        return self.direction(
+            estimator, state, grads, identity_weight, learning_rate, self.refresh.use_cached,
+            axis_name,
+        )
