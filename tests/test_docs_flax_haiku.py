@@ -1,29 +1,24 @@
 """Runs the examples of `docs/flax_haiku.md` and checks what the page says of them."""
 
-import pathlib
 import re
 
 import pytest
 
+from doc_pages import DOCS, run_page
+
 # One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
 pytestmark = pytest.mark.xdist_group("test_docs_flax_haiku")
-
-PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "flax_haiku.md"
 
 
 @pytest.fixture(scope="module")
 def page():
     """The namespace after executing every Python block of the page, in order."""
-    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 3
-    namespace: dict = {"__name__": "flax_haiku_example"}
-    exec(compile("\n".join(blocks), str(PAGE), "exec"), namespace)
-    return namespace
+    return run_page("flax_haiku.md", blocks=3)
 
 
 def test_linen_registrations_are_the_pages(page):
     # The optimizer was built with on_unmatched="error": no parameter fell back to a generic block.
-    (printed,) = re.findall(r"```text\n(.*?)\n```", PAGE.read_text(), flags=re.DOTALL)
+    (printed,) = re.findall(r"```text\n(.*?)\n```", (DOCS / "flax_haiku.md").read_text(), flags=re.DOTALL)
     estimator = page["optimizer"].estimators((page["params"], page["batch_stats"], page["batch"]))[0]
     assert str(estimator.registrations()) == printed
 

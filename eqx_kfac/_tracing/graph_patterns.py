@@ -2,8 +2,8 @@
 
 A [`GraphPattern`][eqx_kfac.GraphPattern] describes a layer by example (a JAX function and example
 shapes); `_graph_matcher` traces it and looks for its equations in a function's jaxpr. The defaults
-cover dense, conv2d and scale-and-shift layers in the forms Equinox and plain JAX emit them (see
-`docs/registration.md` for the table).
+cover dense, conv2d and scale-and-shift layers in the forms Equinox, Flax, Haiku and plain JAX emit
+them (see `docs/registration.md` for the table).
 """
 
 from collections.abc import Callable, Sequence
@@ -362,6 +362,42 @@ def _normalization_examples(n_params: int) -> list[_ExampleArgs]:
     return examples
 
 
+def _scale_and_shift_patterns() -> list[GraphPattern]:
+    """Flax's and Haiku's normalisation layers, then `x * s + b` (and its parts) with the
+    parameters along the trailing or the leading axes of each example."""
+    patterns = []
+    # Before `scale_only`, which would take the `rsqrt(var + eps) * scale` of a BatchNorm.
+    for has_shift, precedence in ((True, 0), (False, 1)):
+        patterns.append(
+            GraphPattern(
+                "normalization" if has_shift else "normalization_scale_only", scale_and_shift_tag,
+                _normalization(has_shift), _normalization_examples(1 + has_shift),
+                _fixed_meta(has_scale=True, has_shift=has_shift, param_axes=None), precedence,
+                tag_inputs_func=_normalized_input,
+            )
+        )
+    for name, has_scale, has_shift, precedence in (
+        ("scale_and_shift", True, True, 0),
+        ("scale_only", True, False, 1),
+        ("shift_only", False, True, 1),
+    ):
+        patterns.append(
+            GraphPattern(
+                name, scale_and_shift_tag, _scale_and_shift(has_scale, has_shift),
+                _scale_and_shift_examples(has_scale + has_shift),
+                _fixed_meta(has_scale=has_scale, has_shift=has_shift, param_axes=None), precedence,
+            )
+        )
+        patterns.append(
+            GraphPattern(
+                f"leading_{name}", scale_and_shift_tag, _leading_scale_and_shift(has_scale, has_shift),
+                _leading_scale_and_shift_examples(has_scale + has_shift),
+                _leading_meta(has_scale, has_shift), precedence,
+            )
+        )
+    return patterns
+
+
 def _make_default_patterns() -> tuple[GraphPattern, ...]:
     patterns = []
     for bias in (True, False):
@@ -400,35 +436,7 @@ def _make_default_patterns() -> tuple[GraphPattern, ...]:
             _conv_examples((2, _IN, 8, 9), (_OUT, _IN, 3, 2), None), _conv_meta(False), 2,
         )
     )
-    # Before `scale_only`, which would take the `rsqrt(var + eps) * scale` of a BatchNorm.
-    for has_shift, precedence in ((True, 0), (False, 1)):
-        patterns.append(
-            GraphPattern(
-                "normalization" if has_shift else "normalization_scale_only", scale_and_shift_tag,
-                _normalization(has_shift), _normalization_examples(1 + has_shift),
-                _fixed_meta(has_scale=True, has_shift=has_shift, param_axes=None), precedence,
-                tag_inputs_func=_normalized_input,
-            )
-        )
-    for name, has_scale, has_shift, precedence in (
-        ("scale_and_shift", True, True, 0),
-        ("scale_only", True, False, 1),
-        ("shift_only", False, True, 1),
-    ):
-        patterns.append(
-            GraphPattern(
-                name, scale_and_shift_tag, _scale_and_shift(has_scale, has_shift),
-                _scale_and_shift_examples(has_scale + has_shift),
-                _fixed_meta(has_scale=has_scale, has_shift=has_shift, param_axes=None), precedence,
-            )
-        )
-        patterns.append(
-            GraphPattern(
-                f"leading_{name}", scale_and_shift_tag, _leading_scale_and_shift(has_scale, has_shift),
-                _leading_scale_and_shift_examples(has_scale + has_shift),
-                _leading_meta(has_scale, has_shift), precedence,
-            )
-        )
+    patterns.extend(_scale_and_shift_patterns())
     # `eqx.nn.Embedding` contains its table's sizes as constants; they match any table's sizes
     # (see `GraphPattern`), so these distinctive example sizes stand for all of them.
     table = _f32(_VOCABULARY, _EMBEDDING)
