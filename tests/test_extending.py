@@ -1,28 +1,21 @@
 """Runs the example of `docs/extending.md` and checks what the page claims about it."""
 
-import pathlib
-import re
-
 import jax
 import numpy as np
 import pytest
 
 import eqx_kfac
 
+from doc_pages import run_page
+
 # One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
 pytestmark = pytest.mark.xdist_group("test_extending")
-
-PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
 
 @pytest.fixture(scope="module")
 def page():
     """The namespace after executing every Python block of the page, in order."""
-    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
-    assert len(blocks) >= 5
-    namespace: dict = {"__name__": "extending_example"}
-    exec(compile("\n".join(blocks), str(PAGE), "exec"), namespace)
-    return namespace
+    return run_page("extending.md", blocks=8)
 
 
 def test_pattern_registers_the_layer_with_the_new_block(page):

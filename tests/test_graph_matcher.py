@@ -269,13 +269,16 @@ def test_group_norm_affine_is_a_scale_and_shift_layer(getkey):
 
 def test_parameter_reshaped_against_another_axis_is_not_a_leading_scale():
     # `p.reshape(1, 4)` has the rank of the channel form `p.reshape(4, 1)` but aligns `p` with the
-    # last axis; the x shape (3, 4, 4) would let it pass the shape check on the wrong axis.
+    # last axis; the x shape (3, 4, 4) would let it pass the shape check on the wrong axis. It is
+    # the trailing scale `x * p` (the reshape only inserts a unit axis, as `jnp` broadcasting does).
     params = (jnp.linspace(0.5, 1.5, 4),)
     x = jnp.linspace(-1.0, 1.0, 48).reshape(3, 4, 4)
     apply = lambda p, x: x * p[0].reshape(1, 4)
     tagged = auto_register_tags(_loss_of(apply), (params, x))
     regs = _registrations(tagged, (params, x))
-    assert [(t, paths, origin) for t, paths, _, origin, _, _ in regs] == [("generic", ("[0]",), "unmatched")]
+    assert [(t, paths, dict(meta)["param_axes"], origin) for t, paths, meta, origin, _, _ in regs] == [
+        ("scale_and_shift", ("[0]",), None, "scale_only")
+    ]
     _check_value_and_grad(_loss_of(apply), tagged, params, x)
 
 
@@ -497,7 +500,7 @@ def test_weight_tying_gets_a_generic_tag_and_the_estimator_reports_it():
     assert got == [("generic", ("[0]",), "shared"), ("scale_and_shift", ("[1]",), "shift_only")]
     _check_value_and_grad(_loss_of(apply), tagged, params, x)
     # The estimator names the parameter and the reason, at the user's call.
-    with pytest.warns(UserWarning, match=r"`\[0\]` \(shared\): it is used in more than one place") as record:
+    with pytest.warns(UserWarning, match=r"`\[0\]` \(shared\): it is used in 2 places .* \(`dot_general`, `transpose`\)") as record:
         BlockDiagonalCurvature(_loss_of(apply), (params, x))
     assert [w.filename for w in record] == [__file__]
     with pytest.raises(ValueError, match=r"`\[0\]` \(shared\)"):
@@ -514,7 +517,7 @@ def test_register_only_generic_and_patterns_to_skip(getkey):
     x = jnp.ones((4, 3))
     loss = _loss_of(lambda m, x: jax.vmap(m)(x))
     regs = _registrations(auto_register_tags(loss, (model, x), register_only_generic=True), (model, x))
-    assert _generic(regs) == [(("bias",), "unmatched"), (("weight",), "unmatched")] and not _layers(regs)
+    assert _generic(regs) == [(("bias",), "unregistered"), (("weight",), "unregistered")] and not _layers(regs)
     regs = _registrations(auto_register_tags(loss, (model, x), patterns_to_skip=("linear_with_bias",)), (model, x))
     assert sorted((r[1], r[3]) for r in regs) == [(("bias",), "shift_only"), (("weight",), "linear_no_bias")]
     with pytest.raises(ValueError, match=r"unknown patterns \['linear'\]"):

@@ -269,8 +269,10 @@ def test_conv_and_scale_shift_shape_errors():
         register_conv2d(jnp.ones((2, 6, 6, 4)), x, k, padding="VALID", dimension_numbers=dn)
     with pytest.raises(ValueError, match="4 entries"):
         register_conv2d(jnp.ones((2, 6, 6, 4)), x, k, jnp.ones(3), padding="SAME", dimension_numbers=dn)
-    with pytest.raises(TypeError, match="precision"):
-        register_conv2d(jnp.ones((2, 6, 6, 4)), x, k, padding="SAME", dimension_numbers=dn, precision=None)
+    with pytest.raises(TypeError, match="lhs_shape"):
+        register_conv2d(jnp.ones((2, 6, 6, 4)), x, k, padding="SAME", dimension_numbers=dn, lhs_shape=None)
+    with pytest.raises(ValueError, match="batch_group_count"):
+        register_conv2d(jnp.ones((2, 6, 6, 4)), x, k, padding="SAME", dimension_numbers=dn, batch_group_count=2)
     with pytest.raises(ValueError, match="at least one"):
         register_scale_and_shift(jnp.ones(3), jnp.ones(3))
     with pytest.raises(ValueError, match="trailing dims"):

@@ -1,8 +1,5 @@
 """Runs the three research variants of `docs/variants.md` and checks what the page says of them."""
 
-import pathlib
-import re
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,20 +8,16 @@ import pytest
 
 import eqx_kfac
 
+from doc_pages import run_page
+
 # One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
 pytestmark = pytest.mark.xdist_group("test_variants")
-
-PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "variants.md"
 
 
 @pytest.fixture(scope="module")
 def page():
     """The namespace after executing every Python block of the page, in order."""
-    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 4
-    namespace: dict = {"__name__": "variants_example"}
-    exec(compile("\n".join(blocks), str(PAGE), "exec"), namespace)
-    return namespace
+    return run_page("variants.md", blocks=4)
 
 
 def _losses(history):

@@ -28,15 +28,19 @@ returned beside it, does not affect the curvature and is ignored. (A function th
 loss is treated as if its outputs were the losses' inputs.)
 
 Chains of `broadcast_in_dim` (what nested `vmap`s emit) are merged into one before matching, so one
-pattern covers any number of vmapped batch axes. `pvary`, which `jax.shard_map` with varying-axis
-checks puts on replicated parameters, is looked through; the tag records the parameter itself (the
-value before `pvary`). Matching descends into `jit`, `jax.checkpoint` / `eqx.filter_checkpoint`,
-`custom_jvp` / `custom_vjp` functions and `scan` bodies.
+pattern covers any number of vmapped batch axes; so is a reshape that only inserts unit axes (Flax
+adds its biases as `y + b.reshape(1, ..., 1, c)`). `pvary`, which `jax.shard_map` with
+varying-axis checks puts on replicated parameters, and conversions to a wider float type (float32
+parameters meeting float64 inputs under `jax_enable_x64`) are looked through; the tag records the
+parameter itself (the value before them). Matching descends into `jit`, `jax.checkpoint` /
+`eqx.filter_checkpoint`, `custom_jvp` / `custom_vjp` functions and `scan` bodies.
 
-Parameters that no tag claims get a `generic` tag each (origin `"unmatched"`). A parameter used in
-more than one place that the losses depend on (weight tying, a value carried from step to step of a
-scan) is never matched to a layer: it gets a generic tag with origin `"shared"`, since a layer tag
-would only see one of its uses. A scan's constant used by one layer inside the scan body is the
+Parameters that no tag claims get a `generic` tag each, whose origin says why: `"unused"` (the
+registered losses do not depend on it), `"unmatched"` (no pattern matched its one use),
+`"unregistered"` (`register_only_generic=True`) or `"shared"`: a parameter used in more than one
+place that the losses depend on (weight tying, a value carried from step to step of a scan) is
+never matched to a layer, since a layer tag would only see one of its uses. The tag's `uses`
+parameter names the primitives using it, for the report. A scan's constant used by one layer inside the scan body is the
 same parameter at every step (a recurrent cell's weight): it is matched, and the tracer treats the
 steps like sequence positions. The estimators report the generic fallbacks (`on_unmatched`).
 
@@ -58,7 +62,7 @@ from .graph_patterns import (
     GraphPattern as GraphPattern,
 )
 from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, iter_eqns, subjaxprs
-from .pattern_matching import _Graph, _Live, _Matcher, _pattern_graphs
+from .pattern_matching import _Graph, _Live, _Matcher, _pattern_graphs, is_transparent
 from .tags import (
     conv2d_tag,
     dense_tag,
@@ -118,7 +122,7 @@ def _fits_tag(pattern: GraphPattern, meta: dict[str, Any], ys: list[Var], xs: li
         [struct(v) for v in ps],
     ]
     try:
-        jax.eval_shape(lambda y, x, p: validator(meta, y, x, p), *structs)
+        jax.eval_shape(lambda y, x, p: validator(meta, y, pattern.tag_inputs(x), p), *structs)
     except (ValueError, TypeError):
         return False
     return True
@@ -211,16 +215,22 @@ def _liveness(
     return frozenset(k for k, v in enumerate(jaxpr.invars) if v in live)
 
 
+# What a use of a parameter that is no single layer's is called in the fallback report.
+SCAN_CARRY = "a scan carry"
+_RETURNED = "a returned value"
+
+
 def _count_uses(
     jaxpr: Jaxpr,
     refs: dict[Var, _Ref],
-    uses: dict[int, int],
+    uses: dict[int, list[str]],
     manual: set[int],
     live: dict[tuple[int, ...], _Live],
     prefix: tuple[int, ...] = (),
 ) -> None:
-    """Counts each parameter leaf's live uses (tag equations excluded; a `pvary` passes the
-    parameter on) and collects manually tagged leaves."""
+    """Lists each parameter leaf's live uses by the primitive using it (tag equations excluded;
+    transparent equations such as `pvary` pass the parameter on) and collects manually tagged
+    leaves."""
     per_eqn, live_outs = live[prefix]
     refs = dict(refs)
     for i, eqn in enumerate(jaxpr.eqns):
@@ -230,7 +240,7 @@ def _count_uses(
             continue
         if is_loss_tag_eqn(eqn):
             continue
-        if eqn.primitive.name == "pvary":
+        if is_transparent(eqn):
             (v,) = eqn.invars
             if isinstance(v, Var) and v in refs:
                 refs[eqn.outvars[0]] = refs[v]
@@ -240,16 +250,31 @@ def _count_uses(
             for k in per_eqn[i]:
                 v = eqn.invars[k]
                 if isinstance(v, Var) and v in refs:
-                    uses[refs[v][0]] = uses.get(refs[v][0], 0) + 1
+                    uses.setdefault(refs[v][0], []).append(eqn.primitive.name)
             continue
         inner, inner_refs, reused = child
         for k, leaf in reused:
             if k in per_eqn[i]:
-                uses[leaf] = uses.get(leaf, 0) + 2
+                uses.setdefault(leaf, []).append(SCAN_CARRY)
         _count_uses(inner, inner_refs, uses, manual, live, (*prefix, i))
     for k, v in enumerate(jaxpr.outvars):
         if k in live_outs and isinstance(v, Var) and v in refs:
-            uses[refs[v][0]] = uses.get(refs[v][0], 0) + 1
+            uses.setdefault(refs[v][0], []).append(_RETURNED)
+
+
+def _is_shared(leaf_uses: Sequence[str]) -> bool:
+    return len(leaf_uses) > 1 or SCAN_CARRY in leaf_uses
+
+
+def _fallback_origin(leaf_uses: Sequence[str], register_only_generic: bool) -> str:
+    """Why a parameter that no tag claims gets a generic tag: the registered losses do not depend
+    on it (`"unused"`), matching is off (`"unregistered"`), it has several uses (`"shared"`), or
+    no pattern matched its one use (`"unmatched"`)."""
+    if not leaf_uses:
+        return "unused"
+    if register_only_generic:
+        return "unregistered"
+    return "shared" if _is_shared(leaf_uses) else "unmatched"
 
 
 class _Match:
@@ -339,7 +364,7 @@ class _TagBinder(JaxprHook):
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
         inputs_major, outputs_major = match.pattern.feature_major
         ys = [_to_tag_layout(outs[i], outputs_major) for i in match.out_positions]
-        xs = [_to_tag_layout(x, inputs_major) for x in match.inputs]
+        xs = match.pattern.tag_inputs([_to_tag_layout(x, inputs_major) for x in match.inputs])
         tagged = match.pattern.tag.bind(*ys, *xs, *match.params, **match.meta, origin=match.pattern.name)
         for i, y in zip(match.out_positions, tagged):
             outs[i] = _from_tag_layout(y, outputs_major)
@@ -381,14 +406,16 @@ def auto_register_tags(
     `jax.make_jaxpr` or `jax.jit`), finds the layers, and evaluates `func`'s jaxpr with a layer tag
     bound on each layer found (origin: the pattern's name). Tags already in `func` (manual
     registration) are kept and their parameters are not matched again. Every parameter no tag
-    claims gets a `generic` tag of its own (origin `"unmatched"`), and a parameter used in more than
-    one place that the registered losses depend on (weight tying, a value carried through a `scan`)
-    is never matched to a layer: it gets a generic tag with origin `"shared"` (the estimators warn
-    about both, see their `on_unmatched`). To give it a structured block, register a layer for it
-    by hand. A layer inside a `scan` body whose parameters are the scan's constants (a recurrent
+    claims gets a `generic` tag of its own, whose origin says why: `"unused"` (the registered
+    losses do not depend on it), `"unmatched"` (no pattern matched its use), `"unregistered"`
+    (`register_only_generic`), or `"shared"`: a parameter used in more than one place that the
+    registered losses depend on (weight tying, a value carried through a `scan`) is never matched
+    to a layer (the estimators report these fallbacks, see their `on_unmatched`). To give it a
+    structured block, register a layer for it by hand. A layer inside a `scan` body whose parameters are the scan's constants (a recurrent
     cell) is matched like any other. Uses the losses do not depend on (a
     regulariser added to the loss value, a returned metric) are ignored. Inside `jax.shard_map`
-    with varying-axis checks, the `pvary`s JAX puts on replicated parameters are looked through.
+    with varying-axis checks, the `pvary`s JAX puts on replicated parameters are looked through, and
+    so are conversions of parameters to a wider float type.
 
     **Arguments:**
 
@@ -438,7 +465,7 @@ def auto_register_tags(
         jaxpr = closed.jaxpr
         positions, _ = _param_leaves(args, params_index)
         refs = {jaxpr.invars[p]: (leaf, 0) for p, leaf in positions.items()}
-        uses: dict[int, int] = {}
+        uses: dict[int, list[str]] = {}
         manual: set[int] = set()
         # Only what the losses depend on counts: a regulariser or a metric computed from a
         # parameter is no second use. Without losses, the function's outputs take their place.
@@ -446,7 +473,7 @@ def auto_register_tags(
         outs = frozenset() if _has_loss_tag((jaxpr,)) else frozenset(range(len(jaxpr.outvars)))
         _liveness(jaxpr, outs, (), live)
         _count_uses(jaxpr, refs, uses, manual, live)
-        shared = {leaf for leaf, n in uses.items() if n > 1 and leaf not in manual}
+        shared = {leaf for leaf, u in uses.items() if _is_shared(u) and leaf not in manual}
         plan = _Plan()
         eligible = {v: r for v, r in refs.items() if r[0] not in manual and r[0] not in shared}
         _find_matches(jaxpr, eligible, (), patterns, plan, live)
@@ -454,8 +481,9 @@ def auto_register_tags(
         for position, leaf in positions.items():
             if leaf in manual or leaf in plan.matched_leaves:
                 continue
-            origin = "shared" if leaf in shared else "unmatched"
-            (leaves[position],) = generic_tag.bind(leaves[position], origin=origin)
+            leaf_uses = tuple(uses.get(leaf, ()))
+            origin = _fallback_origin(leaf_uses, register_only_generic)
+            (leaves[position],) = generic_tag.bind(leaves[position], origin=origin, uses=leaf_uses)
         outs = eval_jaxpr(closed, leaves, _TagBinder(plan))
         dynamic = jax.tree.unflatten(jax.tree.structure(out_struct), outs)
         return eqx.combine(dynamic, out_static)

@@ -2,8 +2,8 @@
 
 A [`GraphPattern`][eqx_kfac.GraphPattern] describes a layer by example (a JAX function and example
 shapes); `_graph_matcher` traces it and looks for its equations in a function's jaxpr. The defaults
-cover dense, conv2d and scale-and-shift layers in the forms Equinox and plain JAX emit them (see
-`docs/registration.md` for the table).
+cover dense, conv2d and scale-and-shift layers in the forms Equinox, Flax, Haiku and plain JAX emit
+them (see `docs/registration.md` for the table).
 """
 
 from collections.abc import Callable, Sequence
@@ -54,6 +54,12 @@ class GraphPattern(eqx.Module):
       per-example layers that way between bias-free layers (`(out, batch)` instead of
       `(batch, out)`); the tag receives them with the feature axis moved last, as its
       registration function expects.
+    - `tag_inputs_func`: `f(inputs) -> tuple` of the tag's `tag.num_inputs` inputs, computed from
+      the matched `inputs` when the layer's input in the tag's sense is not itself a value of the
+      computation (kfac-jax's `in_values_preprocessor`). Flax and Haiku normalisation layers
+      compute `(x - mean) * (rsqrt(var + eps) * scale) + shift`: their pattern's inputs are
+      `(x - mean, rsqrt(var + eps))` and the scale-and-shift tag's input is their product. `None`
+      (the default) hands the matched inputs over as they are.
 
     Example sizes should be distinctive (e.g. 19, 23, not 1 or 2): integer literals and sizes in
     the pattern that equal a dimension of an example parameter are matched up to the target's
@@ -69,6 +75,7 @@ class GraphPattern(eqx.Module):
     )
     precedence: int = eqx.field(static=True, default=0)
     feature_major: tuple[bool, bool] = eqx.field(static=True, default=(False, False))
+    tag_inputs_func: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -79,6 +86,7 @@ class GraphPattern(eqx.Module):
         parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None],
         precedence: int = 0,
         feature_major: tuple[bool, bool] = (False, False),
+        tag_inputs_func: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None,
     ):
         if isinstance(example_args, tuple) and len(example_args) == 2 and all(
             hasattr(p, "shape") for p in example_args[1]
@@ -96,6 +104,23 @@ class GraphPattern(eqx.Module):
         self.parameters_extractor_func = parameters_extractor_func
         self.precedence = precedence
         self.feature_major = (bool(feature_major[0]), bool(feature_major[1]))
+        self.tag_inputs_func = tag_inputs_func
+
+    def tag_inputs(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        """The tag's inputs from the matched inputs (see `tag_inputs_func`).
+
+        **Arguments:**
+
+        - `inputs`: the values (or `jax.ShapeDtypeStruct`s, under `jax.eval_shape`) bound to the
+          pattern's inputs, in order.
+
+        **Returns:**
+
+        The tag's inputs, a tuple.
+        """
+        if self.tag_inputs_func is None:
+            return tuple(inputs)
+        return tuple(self.tag_inputs_func(tuple(inputs)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,6 +198,25 @@ def _scale_and_shift(has_scale: bool, has_shift: bool) -> Callable[[Any, Any], A
         return x + params.pop(0) if has_shift else x
 
     return compute
+
+
+def _normalization(has_shift: bool) -> Callable[[Any, Any], Any]:
+    """The affine part of Flax's and Haiku's normalisation layers (`LayerNorm`, `BatchNorm`), which
+    multiply the scale into `rsqrt(var + eps)` before the centred input; the pattern's inputs are
+    the centred input and `rsqrt(var + eps)` (see `_normalized_input`)."""
+
+    def compute(inputs, params):
+        centred, rsqrt = inputs
+        y = centred * (rsqrt * params[0])
+        return y + params[1] if has_shift else y
+
+    return compute
+
+
+def _normalized_input(inputs: tuple[Any, ...]) -> tuple[Any]:
+    """The scale-and-shift tag's input of a normalisation pattern: `(x - mean) * rsqrt(var + eps)`."""
+    centred, rsqrt = inputs
+    return (centred * rsqrt,)
 
 
 def _left_broadcast(p: Any, x: Any) -> Any:
@@ -306,6 +350,54 @@ def _scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
     return examples
 
 
+def _normalization_examples(n_params: int) -> list[_ExampleArgs]:
+    """Inputs of rank 2 to 4 with `rsqrt(var + eps)` of the same rank, and parameters along
+    trailing axes, or of the input's rank with unit leading axes (Haiku's `BatchNorm`)."""
+    examples = []
+    for x, (p,) in _scale_and_shift_examples(1):
+        examples.append(((x, _f32(*x.shape[:-1], 1)), (p,) * n_params))
+    for x_rank in (2, 3, 4):
+        x = _f32(*_BATCH[: x_rank - 1], _IN)
+        examples.append(((x, _f32(*x.shape[:-1], 1)), (_f32(*(1,) * (x_rank - 1), _IN),) * n_params))
+    return examples
+
+
+def _scale_and_shift_patterns() -> list[GraphPattern]:
+    """Flax's and Haiku's normalisation layers, then `x * s + b` (and its parts) with the
+    parameters along the trailing or the leading axes of each example."""
+    patterns = []
+    # Before `scale_only`, which would take the `rsqrt(var + eps) * scale` of a BatchNorm.
+    for has_shift, precedence in ((True, 0), (False, 1)):
+        patterns.append(
+            GraphPattern(
+                "normalization" if has_shift else "normalization_scale_only", scale_and_shift_tag,
+                _normalization(has_shift), _normalization_examples(1 + has_shift),
+                _fixed_meta(has_scale=True, has_shift=has_shift, param_axes=None), precedence,
+                tag_inputs_func=_normalized_input,
+            )
+        )
+    for name, has_scale, has_shift, precedence in (
+        ("scale_and_shift", True, True, 0),
+        ("scale_only", True, False, 1),
+        ("shift_only", False, True, 1),
+    ):
+        patterns.append(
+            GraphPattern(
+                name, scale_and_shift_tag, _scale_and_shift(has_scale, has_shift),
+                _scale_and_shift_examples(has_scale + has_shift),
+                _fixed_meta(has_scale=has_scale, has_shift=has_shift, param_axes=None), precedence,
+            )
+        )
+        patterns.append(
+            GraphPattern(
+                f"leading_{name}", scale_and_shift_tag, _leading_scale_and_shift(has_scale, has_shift),
+                _leading_scale_and_shift_examples(has_scale + has_shift),
+                _leading_meta(has_scale, has_shift), precedence,
+            )
+        )
+    return patterns
+
+
 def _make_default_patterns() -> tuple[GraphPattern, ...]:
     patterns = []
     for bias in (True, False):
@@ -344,25 +436,7 @@ def _make_default_patterns() -> tuple[GraphPattern, ...]:
             _conv_examples((2, _IN, 8, 9), (_OUT, _IN, 3, 2), None), _conv_meta(False), 2,
         )
     )
-    for name, has_scale, has_shift, precedence in (
-        ("scale_and_shift", True, True, 0),
-        ("scale_only", True, False, 1),
-        ("shift_only", False, True, 1),
-    ):
-        patterns.append(
-            GraphPattern(
-                name, scale_and_shift_tag, _scale_and_shift(has_scale, has_shift),
-                _scale_and_shift_examples(has_scale + has_shift),
-                _fixed_meta(has_scale=has_scale, has_shift=has_shift, param_axes=None), precedence,
-            )
-        )
-        patterns.append(
-            GraphPattern(
-                f"leading_{name}", scale_and_shift_tag, _leading_scale_and_shift(has_scale, has_shift),
-                _leading_scale_and_shift_examples(has_scale + has_shift),
-                _leading_meta(has_scale, has_shift), precedence,
-            )
-        )
+    patterns.extend(_scale_and_shift_patterns())
     # `eqx.nn.Embedding` contains its table's sizes as constants; they match any table's sizes
     # (see `GraphPattern`), so these distinctive example sizes stand for all of them.
     table = _f32(_VOCABULARY, _EMBEDDING)

@@ -1,8 +1,9 @@
 """Matching a layer pattern's equations onto a function's jaxpr (see `graph_matcher.py`).
 
 `_Graph` holds a jaxpr's equations as nodes (chains of `broadcast_in_dim` merged into one, `pvary`
-looked through), `_PatternGraph` a traced pattern's; `_Matcher` lays a pattern graph onto a
-target node, walking backwards from the output, and returns the variable bindings.
+and widening float conversions looked through), `_PatternGraph` a traced pattern's; `_Matcher` lays
+a pattern graph onto a target node, walking backwards from the output, and returns the variable
+bindings.
 """
 
 import functools
@@ -10,6 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
@@ -44,33 +46,68 @@ class _Node:
 _BROADCAST = jax.lax.broadcast_in_dim_p
 
 
+def _kept_axes(shape: tuple[int, ...], new: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The axes of `new` that hold the axes of `shape` when `new` only inserts unit axes into it
+    (the last ones when several fit), or `None` when it does more."""
+    kept, j = [], len(new) - 1
+    for d in reversed(shape):
+        while j >= 0 and new[j] != d:
+            if new[j] != 1:
+                return None
+            j -= 1
+        if j < 0:
+            return None
+        kept.append(j)
+        j -= 1
+    if any(d != 1 for d in new[: j + 1]):
+        return None
+    return tuple(reversed(kept))
+
+
 def _as_broadcast(eqn: JaxprEqn) -> tuple[Any, dict[str, Any]]:
-    """The equation's primitive and parameters, with a reshape that only appends unit axes
-    (`(c,) -> (c, 1, 1)`, e.g. `p.reshape(c, 1, 1)`) read as the broadcast that does the same
-    (`p[:, None, None]` emits that), so that both spellings match one pattern."""
+    """The equation's primitive and parameters, with a reshape that only inserts unit axes read as
+    the broadcast that does the same, so that the spellings of one computation match one pattern:
+    `p.reshape(c, 1, 1)` as `p[:, None, None]`, and Flax's bias `b.reshape(1, 1, 1, c)` as
+    `jnp`'s implicit broadcast in `y + b`."""
     if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
         return eqn.primitive, dict(eqn.params)
     shape, new = tuple(eqn.invars[0].aval.shape), tuple(eqn.params["new_sizes"])
-    if len(new) <= len(shape) or new != shape + (1,) * (len(new) - len(shape)):
+    kept = _kept_axes(shape, new) if len(new) > len(shape) else None
+    if kept is None:
         return eqn.primitive, dict(eqn.params)
-    params = dict(shape=new, broadcast_dimensions=tuple(range(len(shape))), sharding=eqn.params.get("sharding"))
+    params = dict(shape=new, broadcast_dimensions=kept, sharding=eqn.params.get("sharding"))
     return _BROADCAST, params
+
+
+def is_transparent(eqn: JaxprEqn) -> bool:
+    """Whether an equation passes its one input on unchanged in value: a `pvary` (which
+    `shard_map` with varying-axis checks puts on replicated values before they meet per-device
+    ones), or a conversion to a float type at least as wide (float32 parameters meet float64
+    inputs that way under `jax_enable_x64`). Matching and use counts look through them."""
+    name = eqn.primitive.name
+    if name == "pvary":
+        return True
+    if name != "convert_element_type":
+        return False
+    old, new = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    floating = all(jnp.issubdtype(d, jnp.floating) for d in (old, new))
+    return floating and jnp.promote_types(old, new) == new
 
 
 class _Graph:
     """Nodes of one jaxpr with producer and consumer maps.
 
-    `pvary` equations (which `shard_map` with varying-axis checks puts on replicated values before
-    they meet per-device ones) change no value, so they are no nodes: the nodes read through them
-    (`resolve`). `live` (from `_liveness`) says which uses matter; `None` means all of them.
+    Transparent equations (`is_transparent`: `pvary`, widening float conversions) change no
+    value, so they are no nodes: the nodes read through them (`resolve`). `live` (from
+    `_liveness`) says which uses matter; `None` means all of them.
     """
 
     def __init__(self, jaxpr: Jaxpr, live: _Live | None = None):
-        self.pvary: dict[Var, JaxprEqn] = {}
+        self.transparent: dict[Var, JaxprEqn] = {}
         eqns = []
         for i, eqn in enumerate(jaxpr.eqns):
-            if eqn.primitive.name == "pvary":
-                self.pvary[eqn.outvars[0]] = eqn
+            if is_transparent(eqn):
+                self.transparent[eqn.outvars[0]] = eqn
             else:
                 eqns.append((i, eqn))
         resolve = self.resolve
@@ -114,20 +151,22 @@ class _Graph:
         }
 
     def resolve(self, v: Any) -> Any:
-        """The variable `v` is a `pvary` of (through any number of them), or `v` itself."""
-        while isinstance(v, Var) and v in self.pvary:
-            v = self.pvary[v].invars[0]
+        """The variable `v` is computed from by transparent equations (any number), or `v` itself."""
+        while isinstance(v, Var) and v in self.transparent:
+            v = self.transparent[v].invars[0]
         return v
 
     def capture_site(self, eqns: Sequence[JaxprEqn], v: Var) -> tuple[JaxprEqn, int]:
-        """An equation among `eqns` (or a `pvary` feeding them) reading `v` itself, and the position.
+        """An equation among `eqns` (or a transparent one feeding them) reading `v` itself, and the
+        position.
 
-        A tag records a parameter as the value before its `pvary`s: that is the parameter leaf the
-        tracer attributes the tag to, and the tag takes no gradient through its parameters.
+        A tag records a parameter as the value before its `pvary`s and conversions: that is the
+        parameter leaf the tracer attributes the tag to, and the tag takes no gradient through its
+        parameters.
         """
         eqn, position = next((e, k) for e in eqns for k, u in enumerate(e.invars) if self.resolve(u) is v)
         while eqn.invars[position] is not v:
-            eqn, position = self.pvary[eqn.invars[position]], 0
+            eqn, position = self.transparent[eqn.invars[position]], 0
         return eqn, position
 
 

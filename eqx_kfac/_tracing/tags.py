@@ -311,7 +311,11 @@ def register_conv2d(y: Array, x: Array, w: Array, b: Array | None = None, **conv
       or `eqx.nn.Conv2d`'s `(out, 1, 1)`), added along the output feature axis.
     - `**conv_params`: keyword arguments of `lax.conv_general_dilated`: `window_strides`,
       `padding`, `lhs_dilation`, `rhs_dilation`, `dimension_numbers` (e.g.
-      `("NHWC", "HWIO", "NHWC")`), `feature_group_count`.
+      `("NHWC", "HWIO", "NHWC")`), `feature_group_count`; and, as kfac-jax passes them,
+      `batch_group_count` (only `1`: a convolution grouped over the batch mixes examples),
+      `precision`, `preferred_element_type` and `out_sharding`, which are checked (by
+      `lax.conv_general_dilated` itself) and otherwise ignored: they change the rounding, not
+      the layer.
 
     **Returns:**
 
@@ -320,17 +324,23 @@ def register_conv2d(y: Array, x: Array, w: Array, b: Array | None = None, **conv
     what = f"register_conv2d(y: {jnp.shape(y)}, x: {jnp.shape(x)}, w: {jnp.shape(w)}, b: {None if b is None else jnp.shape(b)})"
     if jnp.ndim(x) != 4 or jnp.ndim(w) != 4:
         raise _shape_error(what, "x and w must be 4-D (batch, feature and two spatial axes).")
+    numerics = {k: conv_params.pop(k) for k in ("precision", "preferred_element_type", "out_sharding") if k in conv_params}
     unknown = set(conv_params) - {
         "window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers", "feature_group_count",
+        "batch_group_count",
     }
     if unknown:
         raise TypeError(f"{what}: unsupported convolution arguments {sorted(unknown)}.")
+    if conv_params.pop("batch_group_count", 1) != 1:
+        raise ValueError(f"{what}: batch_group_count != 1 mixes examples in one output; register it with register_generic.")
     params = normalize_conv_params(jnp.shape(x), jnp.shape(w), **conv_params)
+    # Float32 kernels meet float64 inputs under `jax_enable_x64` (the layer converts the kernel).
+    dtype = jnp.result_type(x, w)
     try:
         expected = jax.eval_shape(
-            lambda a, k: lax.conv_general_dilated(a, k, **params),
-            jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-            jax.ShapeDtypeStruct(jnp.shape(w), jnp.result_type(w)),
+            lambda a, k: lax.conv_general_dilated(a, k, **params, **numerics),
+            jax.ShapeDtypeStruct(jnp.shape(x), dtype),
+            jax.ShapeDtypeStruct(jnp.shape(w), dtype),
         ).shape
     except (TypeError, ValueError) as e:
         raise _shape_error(what, f"the convolution arguments do not fit the shapes ({e}).") from e

@@ -114,12 +114,16 @@ def check_scale_and_shift_spec(block: CurvatureBlock) -> None:
 
 
 def _sum_to_param(spec: LayerSpec, array: Array, shape: tuple[int, ...]) -> Array:
-    """Sums `array: (V, B, *x_shape)` to `(V, B, *shape)` over the axes the parameter is broadcast along."""
+    """Sums `array: (V, B, *x_shape)` to `(V, B, *shape)` over the axes the parameter is broadcast along.
+
+    A parameter may have a unit axis for the batch axis of `x` too (Haiku's `BatchNorm` keeps its
+    scale as `(1, 1, 1, c)` for `x: (B, h, w, c)`)."""
     axes = spec.get("param_axes")
     if axes is not None:
         # Moving the parameter's axes to the end makes it broadcast against the trailing dims.
         array = jnp.moveaxis(array, [array.ndim + a for a in axes], list(range(-len(axes), 0)))
-    return sum_to_shape(array, 2, shape)
+    per_example = shape[max(len(shape) - (array.ndim - 2), 0) :]
+    return jnp.reshape(sum_to_shape(array, 2, per_example), (*array.shape[:2], *shape))
 
 
 def scale_and_shift_gradient_samples(

@@ -1,12 +1,15 @@
 """Reporting parameters that fall back to a generic (per-parameter, diagonal) block.
 
-A parameter gets a generic tag when no layer accounts for it: no graph pattern matched its use
-(origin `"unmatched"`), it is used in more than one place that the losses depend on
-(`"shared"`: tied weights, a scan carry), or automatic registration is off and nothing registered
-it (`"unregistered"`). Its curvature is then approximated per parameter, which is a silent loss of
-structure; estimators report it as `on_unmatched` says. A generic tag registered by hand
-(`register_generic`, origin `"manual"`) is a choice, not a fallback.
+A parameter gets a generic tag when no layer accounts for it: the registered losses do not depend
+on it (origin `"unused"`), no graph pattern matched its one use (`"unmatched"`), it is used in
+more than one place that the losses depend on (`"shared"`: tied weights, a weight normalised by a
+function of itself, a scan carry), or automatic registration is off and nothing registered it
+(`"unregistered"`). Its curvature is then approximated per parameter, which is a silent loss of
+structure; estimators report it as `on_unmatched` says, with the primitives that use it. A generic
+tag registered by hand (`register_generic`, origin `"manual"`) is a choice, not a fallback.
 """
+
+import collections
 
 import os
 import sys
@@ -19,18 +22,49 @@ import equinox
 import jax
 import jaxtyping
 
+from ..._tracing.graph_matcher import SCAN_CARRY
 from ..._tracing.layer_data import LayerSpec
 
 ON_UNMATCHED = ("warn", "error", "ignore")
 
-_WHY = {
-    "unmatched": "no layer pattern matched the computation it is used in",
-    "shared": (
-        "it is used in more than one place that the losses depend on (tied weights, or a value "
-        "carried from step to step of a scan), which one layer cannot account for"
-    ),
-    "unregistered": "automatic registration is off and no `register_*` call covers it",
-}
+_FALLBACKS = ("unused", "unmatched", "shared", "unregistered")
+
+
+def _listed(uses: Sequence[str]) -> str:
+    """`"`dot_general` x2, `div`"`: the uses, primitives in code font, repeats counted."""
+    counts = collections.Counter(uses)
+    return ", ".join(
+        (u if " " in u else f"`{u}`") + (f" x{n}" if n > 1 else "") for u, n in counts.items()
+    )
+
+
+def _why(spec: LayerSpec) -> str:
+    """What happened to the parameter of a fallback spec, in words."""
+    uses = tuple(spec.get("uses", ()))
+    if spec.origin == "unused":
+        return (
+            "the registered losses do not depend on it (it is unused, or used only in what they "
+            "do not depend on, e.g. a regulariser added to the loss value or a returned metric), "
+            "so its curvature is zero"
+        )
+    if spec.origin == "unmatched":
+        return f"it is used once, by {_listed(uses)}, and no layer pattern matched the computation there"
+    if spec.origin == "shared" and SCAN_CARRY in uses:
+        return (
+            f"it is carried from step to step of a `jax.lax.scan` (uses: {_listed(uses)}), so no "
+            "layer sees all of its uses"
+        )
+    if spec.origin == "shared":
+        return (
+            f"it is used in {len(uses)} places that the registered losses depend on "
+            f"({_listed(uses)}): tied weights, or a weight used again in a function of itself "
+            "(as `eqx.nn.SpectralNorm` divides a weight by its spectral norm); a layer block "
+            "accounts for one use only"
+        )
+    return (
+        "automatic layer registration is off (`register_only_generic=True` or "
+        "`auto_register_tags=False`) and no `register_*` call covers it"
+    )
 
 # Frames inside these packages (and the run-time type checkers wrapping calls) are not the user's.
 _INTERNAL = tuple(
@@ -83,10 +117,10 @@ def report_fallbacks(specs: Sequence[LayerSpec], on_unmatched: str) -> None:
     - `on_unmatched`: `"warn"` (a `UserWarning` naming the parameter paths, pointing at the
       user's call), `"error"` (a `ValueError`) or `"ignore"`.
     """
-    fallbacks = [s for s in specs if s.tag == "generic" and s.origin in _WHY]
+    fallbacks = [s for s in specs if s.tag == "generic" and s.origin in _FALLBACKS]
     if not fallbacks or on_unmatched == "ignore":
         return
-    lines = "\n".join(f"  - `{', '.join(s.param_paths)}` ({s.origin}): {_WHY[s.origin]}" for s in fallbacks)
+    lines = "\n".join(f"  - `{', '.join(s.param_paths)}` ({s.origin}): {_why(s)}" for s in fallbacks)
     message = (
         f"eqx_kfac: {len(fallbacks)} parameter(s) fall back to a generic per-parameter (diagonal) "
         f"curvature block instead of a structured one:\n{lines}\n"

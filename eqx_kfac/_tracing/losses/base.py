@@ -3,9 +3,11 @@
 Curvature methods act on the loss *inputs* (logits, predicted means, ...). All leading axes of an
 input are batch axes (batch, then e.g. sequence positions) and the last is the event axis; products
 act on tuples shaped like `inputs` and sum over examples (no `1/B`); `weight` multiplies the loss
-and its curvature, and factors `B` (`B Bᵀ` the curvature) by `sqrt(weight)`. The `register_*`
-functions (in `registration.py`) bind a loss to the `loss_tag` primitive for the tracer and return
-their first argument.
+and its curvature, and factors `B` (`B Bᵀ` the curvature) by `sqrt(weight)`: a scalar weight
+scales all examples, a per-example weight (shaped like the leading batch axes, e.g. `(batch,)`)
+each example's slice, which is right because every product acts on each example separately. The
+`register_*` functions (in `registration.py`) bind a loss to the `loss_tag` primitive for the
+tracer and return their first argument.
 
 This module holds the base classes and the helpers the loss families share; `normal.py` and
 `logits.py` hold the families.
@@ -20,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree, Real
 
-from ..._core.tree import scale_keeping_dtypes
 
 
 CoefficientMode = Literal["regular", "sqrt", "off"]
@@ -31,6 +32,24 @@ def _as_scalar(value: Real[ArrayLike, ""], name: str) -> Array:
     if value.ndim != 0:
         raise ValueError(f"`{name}` must be a scalar, got an array of shape {value.shape}.")
     return value
+
+
+def _as_weight(weight: Real[ArrayLike, "..."], inputs: Array, cls: str) -> Array:
+    """Checks a loss weight: a scalar, or one weight per example, shaped like the leading batch
+    axes of `inputs` (all axes but the last), e.g. `(batch,)`."""
+    weight = jnp.asarray(weight)
+    batch = inputs.shape[:-1]
+    if weight.ndim > len(batch) or weight.shape != batch[: weight.ndim]:
+        raise ValueError(
+            f"{cls}: `weight` must be a scalar or hold one weight per example, shaped like the "
+            f"leading batch axes of the inputs {batch} (e.g. {batch[:1]}); got shape {weight.shape}."
+        )
+    return weight
+
+
+def _on_examples(weight: Array, values: Array) -> Array:
+    """`weight` in the dtype of `values`, aligned with its leading (batch) axes."""
+    return jnp.reshape(weight, weight.shape + (1,) * (values.ndim - weight.ndim)).astype(values.dtype)
 
 
 def _check_inputs(array: Array, name: str, cls: str) -> None:
@@ -101,7 +120,8 @@ class LossFunction(eqx.Module):
 
     - `input_fields`: class variable, the names of the fields that make up `inputs`.
     - `targets`: targets the loss is evaluated on by default, or `None`.
-    - `weight`: scalar coefficient of the loss.
+    - `weight`: coefficient of the loss: a scalar, or one per example (shaped like the leading
+      batch axes of the inputs).
     """
 
     input_fields: eqx.AbstractClassVar[tuple[str, ...]]
@@ -149,10 +169,16 @@ class LossFunction(eqx.Module):
         return self.inputs[0].dtype
 
     def _times_weight(self, values: PyTree[Array]) -> PyTree[Array]:
-        return scale_keeping_dtypes(values, self.weight)
+        # Every product's leading axes are the examples' (batch axes first), so a per-example
+        # weight multiplies each example's slice.
+        return jax.tree.map(lambda x: x * _on_examples(self.weight, x), values)
 
     def _times_sqrt_weight(self, values: PyTree[Array]) -> PyTree[Array]:
-        return scale_keeping_dtypes(values, jnp.sqrt(self.weight))
+        return jax.tree.map(lambda x: x * _on_examples(jnp.sqrt(self.weight), x), values)
+
+    def _weighted(self, values: Array, coefficient_mode: CoefficientMode) -> Array:
+        """Per-example loss `values` times the coefficient of `coefficient_mode`."""
+        return values * _on_examples(self._coefficient(coefficient_mode), values)
 
     def _coefficient(self, coefficient_mode: CoefficientMode) -> Array:
         if coefficient_mode == "regular":
@@ -185,8 +211,7 @@ class LossFunction(eqx.Module):
                 f"{type(self).__name__} has no targets: pass `targets=` to `evaluate`, or register "
                 "the loss with targets (needed e.g. for the 'fisher_empirical' estimation mode)."
             )
-        coefficient = self._coefficient(coefficient_mode)
-        return self.evaluate_unweighted(targets) * coefficient.astype(self.dtype)
+        return self._weighted(self.evaluate_unweighted(targets), coefficient_mode)
 
     def grad_of_evaluate(
         self, targets: Array | None = None, coefficient_mode: CoefficientMode = "regular"

@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike, Float, Real
 
 from .. import tags as _tags
 from ..._core.linalg import eigh
-from .base import _as_scalar, _check_inputs, CoefficientMode, LossFunction
+from .base import _as_weight, _check_inputs, CoefficientMode, LossFunction
 
 NegativeCurvature = Literal["warn", "clip", "raise"]
 _NEGATIVE_CURVATURE = ("warn", "clip", "raise")
@@ -60,7 +60,8 @@ class CustomLoss(LossFunction):
 
     - `outputs`: the model outputs the loss is a function of, shape `(*batch, d)`.
     - `targets`: optional targets, shape `(*batch, ...)` (any trailing shape `loss_fn` accepts).
-    - `weight`: scalar coefficient of the loss.
+    - `weight`: coefficient of the loss: a scalar, or one per example (shaped like the
+      leading batch axes of the inputs).
     - `loss_fn`: (static) the per-example loss `loss_fn(output: (d,), target) -> scalar`.
     - `negative_curvature`: (static) `"warn"` clips negative eigenvalues and logs a warning on the
       `"eqx_kfac"` logger (from a `jax.debug.callback`) when one is found; `"clip"` clips silently; `"raise"` raises a run-time
@@ -70,7 +71,7 @@ class CustomLoss(LossFunction):
 
     outputs: Float[Array, "*batch d"]
     targets: Array | None
-    weight: Real[Array, ""]
+    weight: Real[Array, "..."]
     loss_fn: Callable[..., Array] = eqx.field(static=True)
     negative_curvature: NegativeCurvature = eqx.field(static=True)
     tolerance: float = eqx.field(static=True)
@@ -82,7 +83,7 @@ class CustomLoss(LossFunction):
         outputs: Float[Array, "*batch d"],
         loss_fn: Callable[..., Array],
         targets: Array | None = None,
-        weight: Real[ArrayLike, ""] = 1.0,
+        weight: Real[ArrayLike, "..."] = 1.0,
         negative_curvature: NegativeCurvature = "warn",
         tolerance: float = 1e-6,
     ):
@@ -112,7 +113,7 @@ class CustomLoss(LossFunction):
             )
         self.outputs = outputs
         self.targets = targets
-        self.weight = _as_scalar(weight, "weight")
+        self.weight = _as_weight(weight, outputs, name)
         self.loss_fn = loss_fn
         self.negative_curvature = negative_curvature
         self.tolerance = float(tolerance)
@@ -147,8 +148,7 @@ class CustomLoss(LossFunction):
         """
         if targets is None:
             targets = self.targets
-        coefficient = self._coefficient(coefficient_mode)
-        return self.evaluate_unweighted(targets) * coefficient.astype(self.dtype)
+        return self._weighted(self.evaluate_unweighted(targets), coefficient_mode)
 
     def evaluate_unweighted(self, targets: Array | None) -> Array:
         d = self.outputs.shape[-1]
@@ -212,7 +212,7 @@ def register_custom_loss(
     outputs: Float[Array, "*batch d"],
     loss_fn: Callable[..., Array],
     targets: Array | None = None,
-    weight: Real[ArrayLike, ""] = 1.0,
+    weight: Real[ArrayLike, "..."] = 1.0,
     *,
     negative_curvature: NegativeCurvature = "warn",
     tolerance: float = 1e-6,
@@ -248,7 +248,8 @@ def register_custom_loss(
       structure of the traced function. Define it once, outside the loss function, so repeated
       traces see the same function.
     - `targets`: optional targets whose leading axes are the batch axes of `outputs`.
-    - `weight`: scalar coefficient of the loss, independent of the parameters.
+    - `weight`: coefficient of the loss, independent of the parameters: a scalar, or one
+      per example (shape `(batch,)`, or the leading batch axes of the inputs).
     - `negative_curvature`: what to do where the Hessian has an eigenvalue below
       `-tolerance * (largest |eigenvalue|)` (the loss is not convex there): `"warn"` (default)
       clips it to zero and logs a warning on the `"eqx_kfac"` logger (through

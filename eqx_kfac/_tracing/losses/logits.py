@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Real
 
-from .base import _AbstractFisherAsGGNLoss, _apply_mask, _as_scalar, _check_inputs, _check_shape
+from .base import _AbstractFisherAsGGNLoss, _apply_mask, _as_weight, _check_inputs, _check_shape
 
 
 def _set_fields(
@@ -16,7 +16,7 @@ def _set_fields(
     logits: Array,
     targets: Array | None,
     mask: Array | None,
-    weight: Real[ArrayLike, ""],
+    weight: Real[ArrayLike, "..."],
     targets_per_class: bool,
     mask_per_class: bool,
 ) -> None:
@@ -36,7 +36,7 @@ def _set_fields(
     loss.logits = logits
     loss.targets = targets
     loss.mask = mask
-    loss.weight = _as_scalar(weight, "weight")
+    loss.weight = _as_weight(weight, logits, name)
 
 
 class MultiBernoulliNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
@@ -52,20 +52,21 @@ class MultiBernoulliNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
     - `targets`: optional targets in `[0, 1]` (usually `{0, 1}`), same shape.
     - `mask`: optional non-negative (usually 0/1) mask of the same shape, multiplying each output's
       loss (its factor by the square root); masked outputs contribute nothing.
-    - `weight`: scalar coefficient of the loss.
+    - `weight`: coefficient of the loss: a scalar, or one per example (shaped like the
+      leading batch axes of the inputs).
     """
 
     logits: Float[Array, "*batch d"]
     targets: Real[Array, "*batch d"] | None
     mask: Real[Array, "*batch d"] | Bool[Array, "*batch d"] | None
-    weight: Real[Array, ""]
+    weight: Real[Array, "..."]
 
     def __init__(
         self,
         logits: Float[Array, "*batch d"],
         targets: Real[Array, "*batch d"] | None = None,
         mask: Real[Array, "*batch d"] | Bool[Array, "*batch d"] | None = None,
-        weight: Real[ArrayLike, ""] = 1.0,
+        weight: Real[ArrayLike, "..."] = 1.0,
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
         _set_fields(self, logits, targets, mask, weight, targets_per_class=True, mask_per_class=True)
@@ -157,20 +158,21 @@ class CategoricalLogitsNegativeLogProbLoss(_AbstractCategoricalLoss):
     - `targets`: optional integer class indices, shape `(*batch,)`.
     - `mask`: optional non-negative (usually 0/1) per-example mask, shape `(*batch,)`; masked
       examples contribute nothing to the loss, its gradient and curvature.
-    - `weight`: scalar coefficient of the loss.
+    - `weight`: coefficient of the loss: a scalar, or one per example (shaped like the
+      leading batch axes of the inputs).
     """
 
     logits: Float[Array, "*batch classes"]
     targets: Int[Array, "*batch"] | None
     mask: Real[Array, "*batch"] | Bool[Array, "*batch"] | None
-    weight: Real[Array, ""]
+    weight: Real[Array, "..."]
 
     def __init__(
         self,
         logits: Float[Array, "*batch classes"],
         targets: Int[Array, "*batch"] | None = None,
         mask: Real[Array, "*batch"] | Bool[Array, "*batch"] | None = None,
-        weight: Real[ArrayLike, ""] = 1.0,
+        weight: Real[ArrayLike, "..."] = 1.0,
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
         _set_fields(self, logits, targets, mask, weight, targets_per_class=False, mask_per_class=False)
@@ -194,20 +196,21 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(_AbstractCategoricalLoss):
     - `logits`: shape `(*batch, classes)`.
     - `targets`: optional one-hot (or probability) vectors, same shape as `logits`.
     - `mask`: optional non-negative (usually 0/1) per-example mask of shape `(*batch,)`.
-    - `weight`: scalar coefficient of the loss.
+    - `weight`: coefficient of the loss: a scalar, or one per example (shaped like the
+      leading batch axes of the inputs).
     """
 
     logits: Float[Array, "*batch classes"]
     targets: Real[Array, "*batch classes"] | None
     mask: Real[Array, "*batch"] | Bool[Array, "*batch"] | None
-    weight: Real[Array, ""]
+    weight: Real[Array, "..."]
 
     def __init__(
         self,
         logits: Float[Array, "*batch classes"],
         targets: Real[Array, "*batch classes"] | None = None,
         mask: Real[Array, "*batch"] | Bool[Array, "*batch"] | None = None,
-        weight: Real[ArrayLike, ""] = 1.0,
+        weight: Real[ArrayLike, "..."] = 1.0,
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
         _set_fields(self, logits, targets, mask, weight, targets_per_class=True, mask_per_class=False)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
-from .base import _AbstractFisherAsGGNLoss, _as_scalar, _check_inputs, _check_shape
+from .base import _AbstractFisherAsGGNLoss, _as_scalar, _as_weight, _check_inputs, _check_shape
 
 
 class NormalMeanNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
@@ -25,14 +25,15 @@ class NormalMeanNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
     - `mean`: the predicted means, shape `(*batch, d)`.
     - `targets`: optional targets of the same shape.
     - `variance`: scalar variance.
-    - `weight`: scalar coefficient of the loss.
+    - `weight`: coefficient of the loss: a scalar, or one per example (shaped like the
+      leading batch axes of the inputs).
     - `normalize_log_prob`: whether `evaluate` includes the log-normaliser.
     """
 
     mean: Float[Array, "*batch d"]
     targets: Float[Array, "*batch d"] | None
     variance: Float[Array, ""]
-    weight: Real[Array, ""]
+    weight: Real[Array, "..."]
     normalize_log_prob: bool = eqx.field(static=True)
 
     def __init__(
@@ -40,7 +41,7 @@ class NormalMeanNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
         mean: Float[Array, "*batch d"],
         targets: Float[Array, "*batch d"] | None = None,
         variance: Real[ArrayLike, ""] = 0.5,
-        weight: Real[ArrayLike, ""] = 1.0,
+        weight: Real[ArrayLike, "..."] = 1.0,
         normalize_log_prob: bool = True,
     ):
         """**Arguments:** as the fields; `variance` and `weight` may be Python numbers."""
@@ -49,7 +50,7 @@ class NormalMeanNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
         self.mean = mean
         self.targets = targets
         self.variance = _as_scalar(variance, "variance").astype(mean.dtype)
-        self.weight = _as_scalar(weight, "weight")
+        self.weight = _as_weight(weight, mean, type(self).__name__)
         self.normalize_log_prob = normalize_log_prob
 
     input_fields: ClassVar[tuple[str, ...]] = ("mean",)
@@ -94,20 +95,21 @@ class NormalMeanVarianceNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
     - `mean`: the predicted means, shape `(*batch, d)`.
     - `variance`: the predicted variances (positive), same shape.
     - `targets`: optional targets of the same shape.
-    - `weight`: scalar coefficient of the loss.
+    - `weight`: coefficient of the loss: a scalar, or one per example (shaped like the
+      leading batch axes of the inputs).
     """
 
     mean: Float[Array, "*batch d"]
     variance: Float[Array, "*batch d"]
     targets: Float[Array, "*batch d"] | None
-    weight: Real[Array, ""]
+    weight: Real[Array, "..."]
 
     def __init__(
         self,
         mean: Float[Array, "*batch d"],
         variance: Float[Array, "*batch d"],
         targets: Float[Array, "*batch d"] | None = None,
-        weight: Real[ArrayLike, ""] = 1.0,
+        weight: Real[ArrayLike, "..."] = 1.0,
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
         name = type(self).__name__
@@ -117,7 +119,7 @@ class NormalMeanVarianceNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
         self.mean = mean
         self.variance = variance
         self.targets = targets
-        self.weight = _as_scalar(weight, "weight")
+        self.weight = _as_weight(weight, mean, name)
 
     input_fields: ClassVar[tuple[str, ...]] = ("mean", "variance")
 

@@ -20,7 +20,7 @@ def register_normal_predictive_distribution(
     mean: Float[Array, "*batch d"],
     targets: Float[Array, "*batch d"] | None = None,
     variance: Real[ArrayLike, ""] = 0.5,
-    weight: Real[ArrayLike, ""] = 1.0,
+    weight: Real[ArrayLike, "..."] = 1.0,
 ) -> Float[Array, "*batch d"]:
     """Registers a normal predictive distribution with fixed scalar variance.
 
@@ -33,7 +33,8 @@ def register_normal_predictive_distribution(
     - `mean`: the model's output, shape `(batch, ..., d)`.
     - `targets`: optional targets of the same shape (needed for `fisher_empirical`).
     - `variance`: the scalar variance, independent of the parameters.
-    - `weight`: scalar coefficient of the loss, independent of the parameters.
+    - `weight`: coefficient of the loss, independent of the parameters: a scalar, or one
+      per example (shape `(batch,)`, or the leading batch axes of the inputs).
 
     **Returns:** `mean`, unchanged (use the returned value: it carries the registration).
     """
@@ -44,7 +45,7 @@ def register_normal_predictive_distribution(
 def register_squared_error_loss(
     prediction: Float[Array, "*batch d"],
     targets: Float[Array, "*batch d"] | None = None,
-    weight: Real[ArrayLike, ""] = 1.0,
+    weight: Real[ArrayLike, "..."] = 1.0,
 ) -> Float[Array, "*batch d"]:
     """Registers the squared error loss `weight * ‖t - prediction‖²`, averaged over the batch.
 
@@ -57,7 +58,8 @@ def register_squared_error_loss(
 
     - `prediction`: the model's output, shape `(batch, ..., d)`.
     - `targets`: optional targets of the same shape (needed for `fisher_empirical`).
-    - `weight`: scalar coefficient of the loss, independent of the parameters.
+    - `weight`: coefficient of the loss, independent of the parameters: a scalar, or one
+      per example (shape `(batch,)`, or the leading batch axes of the inputs).
 
     **Returns:** `prediction`, unchanged.
     """
@@ -70,7 +72,7 @@ def register_squared_error_loss(
 def register_multi_bernoulli_predictive_distribution(
     logits: Float[Array, "*batch d"],
     targets: Real[Array, "*batch d"] | None = None,
-    weight: Real[ArrayLike, ""] = 1.0,
+    weight: Real[ArrayLike, "..."] = 1.0,
     *,
     mask: Real[Array, "*batch d"] | Bool[Array, "*batch d"] | None = None,
 ) -> Float[Array, "*batch d"]:
@@ -83,7 +85,8 @@ def register_multi_bernoulli_predictive_distribution(
 
     - `logits`: the model's output, shape `(batch, ..., d)`.
     - `targets`: optional targets of the same shape (needed for `fisher_empirical`).
-    - `weight`: scalar coefficient of the loss, independent of the parameters.
+    - `weight`: coefficient of the loss, independent of the parameters: a scalar, or one
+      per example (shape `(batch,)`, or the leading batch axes of the inputs).
     - `mask`: optional 0/1 mask of the shape of `logits`; masked outputs contribute nothing.
 
     **Returns:** `logits`, unchanged.
@@ -95,7 +98,7 @@ def register_multi_bernoulli_predictive_distribution(
 def register_sigmoid_cross_entropy_loss(
     logits: Float[Array, "*batch d"],
     targets: Real[Array, "*batch d"] | None = None,
-    weight: Real[ArrayLike, ""] = 1.0,
+    weight: Real[ArrayLike, "..."] = 1.0,
     *,
     mask: Real[Array, "*batch d"] | Bool[Array, "*batch d"] | None = None,
 ) -> Float[Array, "*batch d"]:
@@ -112,7 +115,7 @@ def register_categorical_predictive_distribution(
     logits: Float[Array, "*batch classes"],
     targets: Real[Array, "*batch"] | Real[Array, "*batch classes"] | None = None,
     mask: Real[Array, "*batch"] | Bool[Array, "*batch"] | None = None,
-    weight: Real[ArrayLike, ""] = 1.0,
+    weight: Real[ArrayLike, "..."] = 1.0,
 ) -> Float[Array, "*batch classes"]:
     """Registers a categorical predictive distribution given by logits (softmax over the last axis).
 
@@ -124,7 +127,8 @@ def register_categorical_predictive_distribution(
     - `targets`: optional integer labels of shape `logits.shape[:-1]`, or one-hot vectors of the
       shape of `logits` (needed for `fisher_empirical`).
     - `mask`: optional 0/1 mask of shape `logits.shape[:-1]`; masked examples contribute nothing.
-    - `weight`: scalar coefficient of the loss, independent of the parameters.
+    - `weight`: coefficient of the loss, independent of the parameters: a scalar, or one
+      per example (shape `(batch,)`, or the leading batch axes of the inputs).
 
     **Returns:** `logits`, unchanged.
     """
@@ -144,7 +148,7 @@ def register_softmax_cross_entropy_loss(
     logits: Float[Array, "*batch classes"],
     targets: Real[Array, "*batch"] | Real[Array, "*batch classes"] | None = None,
     mask: Real[Array, "*batch"] | Bool[Array, "*batch"] | None = None,
-    weight: Real[ArrayLike, ""] = 1.0,
+    weight: Real[ArrayLike, "..."] = 1.0,
 ) -> Float[Array, "*batch classes"]:
     """Registers a softmax cross-entropy loss (the same curvature as a categorical distribution).
 
