@@ -345,7 +345,7 @@ def run_round(
     jax.clear_caches()
     return [
         Run(problem.name, r.method, r.learning_rate, np.asarray(r.losses), np.asarray(r.times),
-            r.first_call, seed, np.asarray(r.batch_times))
+            r.first_call, seed=seed, batch_times=np.asarray(r.batch_times))
         for r in runs
     ]
 

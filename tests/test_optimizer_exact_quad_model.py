@@ -9,7 +9,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 from models import brute_force_ggn, mlp_classification
 
-from eqx_kfac import Optimizer, StepContext, exact_quadratic_model
+from eqx_kfac import GivenValues, Optimizer, StepContext, exact_quadratic_model
 
 
 @pytest.mark.parametrize("mode", ["ggn_curvature_prop", "fisher_gradients"])
@@ -32,8 +32,8 @@ def test_exact_quad_model_matches_dense_ggn(getkey, mode, num_vectors):
         # Only the fields the exact model reads are meaningful here.
         context = StepContext(
             jnp.zeros((), int), jnp.zeros((), int), func_args, jnp.zeros(()), grads,
-            block_diagonal, None, implicit, mode, 0.0, None, optimizer.value_func,
-            lambda out: out, (None, None, None),
+            block_diagonal, block_diagonal.init(), implicit, mode, 0.0, None, optimizer.function.value,
+            lambda out: out, GivenValues(None, None, None),
         )
         return exact_quadratic_model(context, vectors)
 

@@ -14,7 +14,9 @@ from eqx_kfac import (
     register_squared_error_loss,
 )
 from eqx_kfac import register_conv2d, register_dense, register_generic, register_scale_and_shift
-from eqx_kfac import layer_tags_vjp, loss_tags_hvp, loss_tags_jvp, loss_tags_vjp, trace
+from eqx_kfac import layer_tags_vjp, loss_tags_hvp, loss_tags_jvp, loss_tags_vjp
+# The tracer's cached `trace` is internal (`eqx_kfac.trace` is the operators' trace).
+from eqx_kfac._tracing.tracer import trace
 
 
 def _close(a, b, rtol=1e-10):

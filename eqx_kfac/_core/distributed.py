@@ -73,7 +73,8 @@ def check_even_split(batch: PyTree, num_devices: int, axis_name: Hashable) -> No
     """Raises `ValueError` unless every array of `batch` splits evenly over `num_devices`.
 
     Unequal per-device batches would need per-device weights in every average; K-FAC's statistics
-    are normalised per device, so the global batch must divide evenly instead.
+    are normalised per device, so the global batch must divide evenly instead. Scalars (0-d
+    arrays) have no batch axis: they are given to every device whole.
 
     **Arguments:**
 
@@ -86,14 +87,13 @@ def check_even_split(batch: PyTree, num_devices: int, axis_name: Hashable) -> No
     Nothing.
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        if not eqx.is_array(leaf):
+        if not eqx.is_array(leaf) or leaf.ndim == 0:
             continue
         where = jax.tree_util.keystr(path) or "the batch"
-        if leaf.ndim == 0 or leaf.shape[0] % num_devices != 0:
-            size = "a scalar" if leaf.ndim == 0 else f"batch size {leaf.shape[0]}"
+        if leaf.shape[0] % num_devices != 0:
             raise ValueError(
                 f"The global batch cannot be split evenly over the {num_devices} devices of mesh "
-                f"axis {axis_name!r}: {where} has {size} (leading axis), which is not a multiple "
+                f"axis {axis_name!r}: {where} has batch size {leaf.shape[0]} (leading axis), which is not a multiple "
                 f"of {num_devices}. Use a global batch size divisible by {num_devices} (pad or "
                 "drop the last batch), or run on fewer devices."
             )
@@ -272,8 +272,8 @@ def sharded_call(
 ) -> Any:
     """Calls `fn(*args)` once per device under `jax.shard_map`, splitting `args[batch_index]`.
 
-    Every other argument is replicated; so must be every output (`fn` reduces what depends on the
-    batch). Non-array leaves (static parts of Equinox modules, `None`s) stay outside the map.
+    Every other argument is replicated, and so are the batch's scalars (0-d arrays); so must be
+    every output (`fn` reduces what depends on the batch). Non-array leaves (static parts of Equinox modules, `None`s) stay outside the map.
 
     **Arguments:**
 
@@ -298,7 +298,9 @@ def sharded_call(
         return out_dynamic
 
     in_specs = tuple(
-        jax.tree.map(lambda _: PartitionSpec(axis_name) if i == batch_index else PartitionSpec(), a)
+        jax.tree.map(
+            lambda x: PartitionSpec(axis_name) if i == batch_index and x.ndim else PartitionSpec(), a
+        )
         for i, a in enumerate(dynamic)
     )
     mapped = jax.shard_map(

@@ -32,8 +32,8 @@ def _maybe_sharded(optimizer: Any, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 @eqx.filter_jit
-def _jitted_step(optimizer, args, burnin_in_graph):
-    return _maybe_sharded(optimizer, step_body, *args, burnin_in_graph)
+def _jitted_step(optimizer, args, burnin_in_graph, calibrating):
+    return _maybe_sharded(optimizer, step_body, *args, burnin_in_graph, calibrating)
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -43,21 +43,25 @@ def _jitted_donating_step(kept, donated, optimizer, burnin_in_graph):
     return _maybe_sharded(optimizer, step_body, *args, burnin_in_graph)
 
 
-def compiled_step(optimizer: Any, args: tuple[Any, ...], burnin_in_graph: bool) -> Any:
-    """Runs `step_body(optimizer, *args, burnin_in_graph)` compiled, donating as configured.
+def compiled_step(
+    optimizer: Any, args: tuple[Any, ...], burnin_in_graph: bool, calibrating: bool = False
+) -> Any:
+    """Runs `step_body(optimizer, *args, burnin_in_graph, calibrating)` compiled, donating as
+    configured (a calibration trial never donates).
 
     **Arguments:**
 
     - `optimizer`: the `Optimizer`.
     - `args`: `(params, state, rng, batch, func_state, given)`.
     - `burnin_in_graph`: whether the burn-in runs inside the step (no `data_iterator`).
+    - `calibrating`: the step is a trial of the initial damping's calibration.
 
     **Returns:**
 
     The step's outputs.
     """
-    if not optimizer.donated:
-        return _jitted_step(optimizer, args, burnin_in_graph)
+    if calibrating or not optimizer.donated:
+        return _jitted_step(optimizer, args, burnin_in_graph, calibrating)
     kept = tuple(None if i in optimizer.donated else a for i, a in enumerate(args))
     donated = tuple(a if i in optimizer.donated else None for i, a in enumerate(args))
     return _jitted_donating_step(kept, donated, optimizer, burnin_in_graph)

@@ -183,7 +183,8 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     """Levenberg-Marquardt adaptation from the reduction ratio `ρ` (kfac-jax's adaptive damping),
     with an immediate increase after a step that was not applied.
 
-    Every `interval` steps, `ρ = (L(θ + δ) - L(θ)) / Δq` compares the loss change with the
+    Every `interval` steps (and in every trial of the initial damping's calibration),
+    `ρ = (L(θ + δ) - L(θ)) / Δq` compares the loss change with the
     quadratic model's prediction `Δq` (the step rule's, or, when it computed none, the model of
     the update `δ` with the K-FAC estimate, or with the exact curvature when `always_exact`); the
     damping is multiplied by `decay ** interval` when `ρ > upper`, divided by it when
@@ -267,7 +268,7 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
                 _nan(context), _known(outcome.new_loss, context), _known(outcome.quad_change, context)
             )
 
-        due = (context.step + 1) % self.interval == 0
+        due = (context.step + 1) % self.interval == 0 if not context.calibrating else True
         new_damping, report = jax.lax.cond(
             due, lambda: self._adapt(state, damping, outcome, context), keep
         )

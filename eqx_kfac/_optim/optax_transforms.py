@@ -245,7 +245,8 @@ def kfac_preconditioner(
         return KFACPreconditionerState(jnp.zeros((), jnp.int32), preconditioner.init(estimator))
 
     def update_fn(
-        updates: PyTree, state: KFACPreconditionerState, params: PyTree = None, *,
+        # `state` is checked by `_check_state` (a checkpoint restored without a template).
+        updates: PyTree, state: Any, params: PyTree = None, *,
         batch: PyTree = None, key: PRNGKeyArray | None = None,
         loss_args: tuple[Any, ...] | None = None, **extra_args: Any,
     ) -> tuple[PyTree, KFACPreconditionerState]:
@@ -349,7 +350,7 @@ def kfac_optax(
     example_args: Sequence[Any],
     learning_rate: float | optax.Schedule = 0.1,
     *,
-    damping: float | ArrayLike | optax.Schedule = 1e-2,
+    damping: float | ArrayLike | optax.Schedule = 0.1,
     norm_constraint: float | ArrayLike | None = 0.1,
     momentum: float | None = 0.9,
     max_consecutive_faults: int | None = 20,
@@ -360,10 +361,15 @@ def kfac_optax(
     `skip_non_finite(optax.chain(kfac_preconditioner(loss_fn, example_args, damping=damping,
     norm_constraint=norm_constraint, ...), optax.trace(momentum), optax.scale_by_learning_rate(
     learning_rate)))`: a step whose gradient or update is not finite (a NaN batch, a curvature
-    estimate that overflowed) leaves parameters and state unchanged. The defaults (learning rate 0.1, damping 0.01, norm constraint 0.1,
-    momentum 0.9) trained all the models of the "Model gallery" page (CNN, ResNet with BatchNorm,
-    transformer, GRU, LSTM, scan over layers, ...) without tuning; without the norm constraint the
-    same recipe diverges on most of them. Use it like any optax optimizer, passing this step's
+    estimate that overflowed) leaves parameters and state unchanged.
+
+    The defaults (learning rate 0.1, damping 0.1, norm constraint 0.1, momentum 0.9) train the
+    models of the "Model gallery" page (CNN, ResNet with BatchNorm, transformer, GRU, LSTM, scan
+    over layers, ...) without tuning; without the norm constraint the same recipe diverges on most
+    of them. The damping bounds how far the step follows the gradient where the curvature is
+    small: with `learning_rate / damping` as large as 10 (damping 0.01), minibatch noise kept the
+    digits MLP of `benchmarks/stability.py` at a loss of 0.026 after 2,000 steps, against 4e-6
+    with damping 0.1 (Adam: 1e-4). Use it like any optax optimizer, passing this step's
     batch to `update` (see `kfac_preconditioner` for the other forms of `loss_fn`):
 
     ```python

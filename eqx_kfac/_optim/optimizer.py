@@ -93,6 +93,7 @@ class Optimizer(eqx.Module):
     include_norms_in_stats: bool = eqx.field(static=True)
     include_per_param_norms_in_stats: bool = eqx.field(static=True)
     distributed_inverses: bool = eqx.field(static=True)
+    calibrate_initial_damping: bool = eqx.field(static=True)
     donated: tuple[int, ...] = eqx.field(static=True)
 
     def __init__(
@@ -139,6 +140,7 @@ class Optimizer(eqx.Module):
         skip_non_finite: bool = True,
         *,
         use_step_rejection: bool | None = None,
+        use_initial_damping_calibration: bool = False,
         reject_damping_increase_factor: float = 2.0,
         adaptive_learning_rate_bounds: tuple[float, float] | None = (0.0, 10.0),
         adaptive_momentum_bounds: tuple[float, float] | None = (-0.95, 0.95),
@@ -180,6 +182,9 @@ class Optimizer(eqx.Module):
           `damping_schedule`, or passed to `step`.
         - The guard: `skip_non_finite`, `use_step_rejection` (default: on with adaptive damping),
           `max_consecutive_faults`.
+        - `use_initial_damping_calibration`: before the first step (called outside `jit`), repeat
+          its damping adaptation on its batch until the damping stops changing (kfac-jax's
+          option; needs adaptive damping).
         - The curvature: `estimation_mode`, `curvature_ema`, `curvature_update_period`,
           `inverse_update_period`, `num_burnin_steps`, `use_exact_inverses`, `norm_constraint`,
           `inverse_solver`, `layer_tag_to_block_ctor`, `index_to_block_ctor`, `graph_patterns`,
@@ -232,6 +237,12 @@ class Optimizer(eqx.Module):
         self.include_norms_in_stats = include_norms_in_stats
         self.include_per_param_norms_in_stats = include_per_param_norms_in_stats
         self.distributed_inverses = distributed_inverses
+        if use_initial_damping_calibration and not (use_adaptive_damping or damping_rule is not None):
+            raise ValueError(
+                "use_initial_damping_calibration=True calibrates the adaptive damping's start: it "
+                "needs use_adaptive_damping=True."
+            )
+        self.calibrate_initial_damping = use_initial_damping_calibration
         flags = (donate_parameters, donate_optimizer_state, False, donate_batch_inputs, donate_func_state)
         self.donated = tuple(i for i, flag in enumerate(flags) if flag)
 
@@ -380,8 +391,33 @@ class Optimizer(eqx.Module):
         self._check_step_arguments(params, state, func_state, given)
         if data_iterator is None:
             check_batch(state.batch_signature, batch, "batch")
-            return compiled_step(self, (params, state, rng, batch, func_state, given), True)
+            args = (params, state, rng, batch, func_state, given)
+            return compiled_step(self, self._calibrated(args, True, global_step_int), True)
         return self._step_from_iterator(params, state, rng, data_iterator, func_state, given, global_step_int)
+
+    def _calibrated(self, args: tuple[Any, ...], burnin_in_graph: bool, step_int: int | None) -> tuple[Any, ...]:
+        """The step's arguments with the damping calibrated when this is the first step and
+        `use_initial_damping_calibration` is on: trials of the step on its batch, each adapting
+        the damping once, until it stops changing (at most 100)."""
+        params, state, *rest = args
+        if not self.calibrate_initial_damping:
+            return args
+        try:
+            step_int = int(state.step_counter) if step_int is None else step_int
+        except jax.errors.ConcretizationTypeError:
+            raise ValueError(
+                "use_initial_damping_calibration=True runs Python trials before the first step: call "
+                "the first step outside jit."
+            ) from None
+        if step_int != 0:
+            return args
+        for _ in range(100):
+            trial = compiled_step(self, (params, state, *rest), burnin_in_graph, calibrating=True)[1]
+            previous = float(state.damping)
+            state = eqx.tree_at(lambda s: s.damping_state, state, trial.damping_state)
+            if float(state.damping) == previous:
+                break
+        return (params, state, *rest)
 
     def _step_from_iterator(self, params, state, rng, data_iterator, func_state, given, step_int):
         """`step` with a data iterator: the burn-in batches drawn in Python at step 0."""
@@ -403,7 +439,8 @@ class Optimizer(eqx.Module):
                 state = jitted_burnin(self, params, state, keys[i], burnin_batch, func_state)
         batch = next(data_iterator)
         check_batch(state.batch_signature, batch, "batch from data_iterator")
-        out = compiled_step(self, (params, state, rng, batch, func_state, given), False)
+        args = self._calibrated((params, state, rng, batch, func_state, given), False, step_int)
+        out = compiled_step(self, args, False)
         if state is original:
             return out
         # A step whose loss or gradient is not finite leaves the state as it was before the

@@ -10,7 +10,7 @@ is not finite, reject one that raises the loss); damping adaptation. What each o
 - applied: everything moves on.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -25,11 +25,9 @@ from .damping import StepOutcome
 from .optimizer_state import OptimizerState
 from .step_context import GivenValues, StepContext
 
-if TYPE_CHECKING:
-    from .optimizer import Optimizer
 
 
-def _curvature_args(optimizer: "Optimizer", params: Any, func_state: Any, batch: Any):
+def _curvature_args(optimizer: eqx.Module, params: Any, func_state: Any, batch: Any):
     """The value function's arguments for a curvature update with key `k` (its randomness, if
     any, drawn from `k`)."""
 
@@ -41,7 +39,7 @@ def _curvature_args(optimizer: "Optimizer", params: Any, func_state: Any, batch:
 
 
 def burnin_update(
-    optimizer: "Optimizer", params: Any, state: OptimizerState, key: PRNGKeyArray, batch: Any, func_state: Any
+    optimizer: eqx.Module, params: Any, state: OptimizerState, key: PRNGKeyArray, batch: Any, func_state: Any
 ) -> OptimizerState:
     """One burn-in curvature update from a data iterator: summed statistics."""
     func_args = _curvature_args(optimizer, params, func_state, optimizer.function.process(batch))(key)
@@ -53,7 +51,7 @@ def burnin_update(
     return eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
 
 
-def _norms(optimizer: "Optimizer", params: Any, grads: Any, direction: Any, delta: Any) -> dict[str, Array]:
+def _norms(optimizer: eqx.Module, params: Any, grads: Any, direction: Any, delta: Any) -> dict[str, Array]:
     """The norms asked for by `include_norms_in_stats` (whole vectors) and
     `include_per_param_norms_in_stats` (per leaf, named `name(path)`)."""
     trees = dict(
@@ -73,8 +71,8 @@ def _norms(optimizer: "Optimizer", params: Any, grads: Any, direction: Any, delt
 
 
 def _evaluate(
-    optimizer: "Optimizer", params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
-    func_state: Any, given: GivenValues,
+    optimizer: eqx.Module, params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
+    func_state: Any, given: GivenValues, calibrating: bool,
 ) -> tuple[StepContext, PRNGKeyArray, Any, Any]:
     """The loss and gradient, as a `StepContext`; the curvature's key, new function state, aux."""
     function, axis = optimizer.function, optimizer.axis_name
@@ -87,13 +85,13 @@ def _evaluate(
         state.step_counter, state.data_seen, func_args, loss,
         _distributed.pmean(eqx.filter(grads, eqx.is_inexact_array), axis), estimator,
         state.estimator_state, implicit, optimizer.preconditioner.curvature.estimation_mode,
-        optimizer.l2_reg, axis, function.value, function.loss_of, given,
+        optimizer.l2_reg, axis, function.value, function.loss_of, given, calibrating,
     )
     return context, key, new_func_state, aux
 
 
 def _refreshed_curvature(
-    optimizer: "Optimizer", context: StepContext, key: PRNGKeyArray, finite: Any,
+    optimizer: eqx.Module, context: StepContext, key: PRNGKeyArray, finite: Any,
     identity_weight: Array, burnin_in_graph: bool, params: Any, func_state: Any, batch: Any,
 ) -> Any:
     """The estimator state after this step's curvature updates and cache refresh (none of them
@@ -119,8 +117,8 @@ def _apply(params: PyTree, delta: PyTree) -> PyTree:
 
 
 def step_body(
-    optimizer: "Optimizer", params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
-    func_state: Any, given: GivenValues, burnin_in_graph: bool,
+    optimizer: eqx.Module, params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
+    func_state: Any, given: GivenValues, burnin_in_graph: bool, calibrating: bool = False,
 ) -> tuple[Any, ...]:
     """One K-FAC step of `optimizer`, as `Optimizer.step` returns it (pure; jitted by the caller).
 
@@ -130,12 +128,15 @@ def step_body(
     - `params`, `state`, `rng`, `batch`, `func_state`: as for `Optimizer.step`.
     - `given`: the `GivenValues` passed to `step`.
     - `burnin_in_graph`: whether the burn-in runs inside the step (no `data_iterator`).
+    - `calibrating`: the step is a trial of the initial damping's calibration.
 
     **Returns:**
 
     `(params, state, stats)`, or `(params, state, func_state, stats)` when `value_func_has_state`.
     """
-    context, key, new_func_state, aux = _evaluate(optimizer, params, state, rng, batch, func_state, given)
+    context, key, new_func_state, aux = _evaluate(
+        optimizer, params, state, rng, batch, func_state, given, calibrating
+    )
     guard = optimizer.guard
     finite = jnp.isfinite(context.loss) & all_finite(context.grads) if guard.skip_non_finite else None
     damping = optimizer.damping_rule.value(state.damping_state, context)

@@ -24,7 +24,7 @@ from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState
 from .._curvature.estimators.base import batch_size_of
 from .._curvature.estimators.distributed import distributed_update_cache
 from .._curvature.estimators.fallbacks import check_on_unmatched
-from .._curvature.estimators.loss_checks import check_batch_size, check_loss_is_averaged
+from .._curvature.estimators.loss_checks import check_batch_size, check_labels, check_loss_is_averaged
 from .._curvature.estimators.modes import ESTIMATION_MODES
 from .direction import AbstractDirection, DirectionOutcome, PreconditionedGradient
 from .refresh import AbstractRefreshSchedule, RefreshSchedule
@@ -165,12 +165,13 @@ class Preconditioner(eqx.Module):
         estimator: BlockDiagonalCurvature,
     ) -> None:
         """Checks the loss against its registrations on concrete arguments: a loss summed over
-        the batch raises `ValueError`; an explicit batch size that is not the registrations'
-        warns (see `loss_checks`)."""
+        the batch, or class labels outside the range, raise `ValueError`; an explicit batch size
+        that is not the registrations' warns (see `loss_checks`)."""
         batch_size = self.batch_size(estimator, func_args)
         if self.curvature.batch_size_extractor is not None:
             check_batch_size(estimator.func, func_args, batch_size)
         check_loss_is_averaged(func, loss_of, func_args, batch_size)
+        check_labels(func, loss_of, func_args)
 
     def init(self, estimator: BlockDiagonalCurvature, key: PRNGKeyArray | None = None) -> EstimatorState:
         """The estimator's state, with the direction's powers cached when the schedule caches."""

@@ -41,6 +41,8 @@ class StepContext(eqx.Module):
     - `value_func`, `loss_of`: the value function and the map from its output to the loss value
       (see `loss_at`).
     - `given`: the `GivenValues` passed to `step`.
+    - `calibrating`: (static) the step is a trial of the initial damping's calibration
+      (`use_initial_damping_calibration`): adaptive damping adapts in it whatever the counter.
     """
 
     step: Array
@@ -57,6 +59,7 @@ class StepContext(eqx.Module):
     value_func: Callable[..., Any] = eqx.field(static=True)
     loss_of: Callable[[Any], Array] = eqx.field(static=True)
     given: GivenValues
+    calibrating: bool = eqx.field(static=True, default=False)
 
     def loss_at(self, params: PyTree) -> Float[Array, ""]:
         """The loss at `params` on this step's batch (averaged over devices).

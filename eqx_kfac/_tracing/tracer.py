@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.interpreters import partial_eval as pe
 from jaxtyping import Array, PyTree
 
 from .._core.cache import LRUCache
@@ -148,6 +149,55 @@ def loss_tags_hvp(func: Callable, params_index: int = 0) -> Callable:
         return traced.params_vector(hvp), tuple(losses)
 
     return wrapped
+
+
+def registration_problems(traced: TracedFunction, func_args: Sequence[Any]) -> list[str]:
+    """The suspicious registrations of a traced function, read off its jaxpr (nothing is
+    evaluated): a registered loss whose inputs the parameters do not reach (registered on
+    `stop_gradient(logits)`, or on the targets: it adds no curvature, and steps are unbounded), and
+    a loss whose inputs were registered already (their curvature counts twice).
+
+    **Arguments:**
+
+    - `traced`: the traced function.
+    - `func_args`: its arguments (arrays or `jax.ShapeDtypeStruct`s).
+
+    **Returns:**
+
+    One message per problem (empty when there is none).
+    """
+    params, others = traced.split_args(func_args)
+    params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in params]
+    others = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in others]
+
+    def inputs(o, p, t):
+        return jax.jvp(lambda q: _losses_and_inputs(traced, o)(q)[0], (p,), (t,))
+
+    closed = jax.make_jaxpr(inputs)(others, params, params)
+    structure = jax.tree.structure(jax.eval_shape(inputs, others, params, params))
+    primal_outs, tangent_outs = jax.tree.unflatten(structure, closed.jaxpr.outvars)
+    names = [f"registered loss #{k} ({cls.__name__})" for k, cls in enumerate(traced.loss_classes)]
+    problems, seen = [], {}
+    for k, outs in enumerate(primal_outs):
+        key = tuple(map(id, outs))
+        if key in seen:
+            problems.append(
+                f"the inputs of {names[k]} were registered already ({names[seen[key]]}): their "
+                "curvature counts twice. Register each output once (one register_* call per loss term)."
+            )
+        seen.setdefault(key, k)
+    n_tangents = len(jax.tree.leaves(params))
+    for k, outs in enumerate(tangent_outs):
+        wanted = {id(v) for v in outs}
+        mask = [id(v) in wanted for v in closed.jaxpr.outvars]
+        _, used = pe.dce_jaxpr(closed.jaxpr, mask)
+        if not any(used[len(used) - n_tangents:]):
+            problems.append(
+                f"{names[k]} does not depend on the parameters (was it registered on "
+                "`stop_gradient(...)` of the model's output, or on the targets?): it adds no "
+                "curvature, and K-FAC's steps are then unbounded. Register the model's output itself."
+            )
+    return problems
 
 
 def _varying_axes(x: jax.Array) -> frozenset:

@@ -23,6 +23,7 @@ from ..._tracing.graph_matcher import auto_register_tags as _auto_register_tags
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..._tracing.tracer import layer_tags_vjp, trace
 from .fallbacks import check_on_unmatched, report_fallbacks
+from .loss_checks import warn_about_registrations
 from .base import (
     AbstractCurvatureEstimator,
     EstimatorState,
@@ -223,6 +224,7 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
         traced = trace(func, example_args, params_index)
         specs = tuple(traced.layer_specs)
         report_fallbacks(specs, on_unmatched)
+        warn_about_registrations(func, example_args, params_index)
         index_to_block_ctor = dict(index_to_block_ctor or {})
         _check_override_keys(specs, index_to_block_ctor)
         layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})

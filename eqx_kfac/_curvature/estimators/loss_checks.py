@@ -7,6 +7,10 @@ fail silently (K-FAC then diverges or learns nothing, with no error).
 - **A batch size that is not the registrations'.** Curvature statistics are divided by the batch
   size; an extractor that reads it off the wrong array (e.g. the first weight of a frozen model
   passed in the batch) scales the curvature wrongly.
+- **A loss the parameters do not reach** (registered on `stop_gradient(logits)`, or on the
+  targets): it adds no curvature, and the steps are unbounded.
+- **The same tensor registered twice**: its curvature counts twice.
+- **Class labels outside `[0, classes)`** (e.g. `-1` for "ignore"): lookups would wrap them.
 """
 
 import sys
@@ -19,15 +23,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._tracing.tracer import loss_tags_vjp, trace
+from ..._tracing.losses import CategoricalLogitsNegativeLogProbLoss
+from ..._tracing.tracer import loss_tags_vjp, registration_problems, trace
 from .fallbacks import user_stacklevel
 
 
 @eqx.filter_jit
-def _returned_and_registered(func, loss_of, func_args, params_index):
+def _loss_facts(func, loss_of, func_args, params_index):
+    """The returned loss, the registered losses' sum (`None` when they have no targets) and
+    each registered loss's count of labels out of range."""
     returned = loss_of(func(*func_args))
     losses, _ = loss_tags_vjp(func, params_index)(func_args)
-    return returned, sum(jnp.sum(loss.evaluate()) for loss in losses)
+    labels = [
+        loss.targets_out_of_range() if isinstance(loss, CategoricalLogitsNegativeLogProbLoss) else 0
+        for loss in losses
+    ]
+    try:
+        total = sum(jnp.sum(loss.evaluate()) for loss in losses)
+    except ValueError as error:
+        if "has no targets" not in str(error):
+            raise
+        total = None
+    return returned, total, labels
+
+
+def _concrete_facts(func, loss_of, func_args, params_index):
+    """`_loss_facts` on concrete arguments, `None` for abstract ones or inside a trace."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(func_args)):
+        return None
+    facts = _loss_facts(func, loss_of, tuple(func_args), params_index)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(facts)):
+        return None  # called inside a trace (e.g. a transformation rebuilt under jit): no values
+    return facts
 
 
 def check_loss_is_averaged(
@@ -52,16 +79,10 @@ def check_loss_is_averaged(
     - `batch_size`: the number of examples in them.
     - `params_index`: position of the parameters among the arguments.
     """
-    if batch_size < 2 or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(func_args)):
+    facts = None if batch_size < 2 else _concrete_facts(func, loss_of, func_args, params_index)
+    if facts is None or facts[1] is None:
         return
-    try:
-        returned, total = _returned_and_registered(func, loss_of, tuple(func_args), params_index)
-    except ValueError as error:
-        if "has no targets" in str(error):
-            return
-        raise
-    if isinstance(returned, jax.core.Tracer):
-        return  # called inside a trace (e.g. a transformation rebuilt under jit): no values
+    returned, total, _ = facts
     returned, mean = float(returned), float(total) / batch_size
     if not (np.isfinite(returned) and np.isfinite(mean)) or mean == 0:
         return
@@ -107,3 +128,42 @@ def check_batch_size(
             UserWarning,
             stacklevel=user_stacklevel(sys._getframe()),
         )
+
+
+def warn_about_registrations(func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0) -> None:
+    """Warns (at the user's call) about each problem `registration_problems` finds: a registered
+    loss the parameters do not reach, a tensor registered as the input of two losses.
+
+    **Arguments:**
+
+    - `func`: the loss function.
+    - `func_args`: its arguments (arrays or `jax.ShapeDtypeStruct`s).
+    - `params_index`: position of the parameters among the arguments.
+    """
+    for problem in registration_problems(trace(func, func_args, params_index), func_args):
+        warnings.warn(f"eqx_kfac: {problem}", UserWarning, stacklevel=user_stacklevel(sys._getframe()))
+
+
+def check_labels(
+    func: Callable[..., Any], loss_of: Callable[[Any], Any], func_args: Sequence[Any], params_index: int = 0
+) -> None:
+    """Raises `ValueError` when a categorical loss is registered with labels outside
+    `[0, classes)` in concrete arguments (skipped for abstract ones; the evaluation is the one
+    `check_loss_is_averaged` compiles).
+
+    **Arguments:**
+
+    - `func`: the loss function.
+    - `loss_of`: maps `func`'s output to the loss value.
+    - `func_args`: its arguments.
+    - `params_index`: position of the parameters among the arguments.
+    """
+    facts = _concrete_facts(func, loss_of, func_args, params_index)
+    for k, count in enumerate([] if facts is None else facts[2]):
+        if int(count):
+            raise ValueError(
+                f"eqx_kfac: registered loss #{k} (a categorical loss) has {int(count)} labels outside "
+                "[0, classes) (e.g. -1 used as 'ignore'). Give such examples a valid label and "
+                "`mask=0` in the register_* call instead (labels outside the range give a NaN loss "
+                "in the curvature, and the step is skipped)."
+            )

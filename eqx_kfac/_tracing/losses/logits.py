@@ -178,8 +178,18 @@ class CategoricalLogitsNegativeLogProbLoss(_AbstractCategoricalLoss):
         _set_fields(self, logits, targets, mask, weight, targets_per_class=False, mask_per_class=False)
 
     def evaluate_unweighted(self, targets: Array) -> Array:
-        picked = jnp.take_along_axis(self._log_probs(), targets[..., None], axis=-1)
-        return self._masked(-picked)[..., 0]
+        # A label outside [0, classes) (e.g. -1 for "ignore") gives NaN, never a wrapped class:
+        # the step's finiteness checks then catch it.
+        classes = self.logits.shape[-1]
+        picked = jnp.take_along_axis(self._log_probs(), targets[..., None] % classes, axis=-1)
+        valid = ((targets >= 0) & (targets < classes))[..., None]
+        return self._masked(-jnp.where(valid, picked, jnp.nan))[..., 0]
+
+    def targets_out_of_range(self) -> Array:
+        """The number of targets outside `[0, classes)` (0 without targets)."""
+        if self.targets is None:
+            return jnp.zeros((), jnp.int32)
+        return jnp.sum((self.targets < 0) | (self.targets >= self.logits.shape[-1]))
 
     def sample(self, key: PRNGKeyArray) -> Array:
         return self._sample_classes(key)

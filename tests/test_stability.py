@@ -1,0 +1,236 @@
+"""Faults and dtypes: what a bad batch, an overflow, a misuse or a low-precision model does to a
+run (issue: stable by default). Every case runs a handful of steps of a tiny MLP."""
+
+import re
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from models import mlp_classification
+
+import eqx_kfac
+
+pytestmark = pytest.mark.xdist_group("test_stability")
+
+PROBLEM = mlp_classification(jax.random.key(0), sizes=(3, 6, 3), batch=8)
+BATCH = PROBLEM.batch
+VG = eqx.filter_value_and_grad(PROBLEM.loss_fn)
+ADAPTIVE = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True)
+
+
+def _scaled(scale):
+    return (BATCH[0] * scale, BATCH[1])
+
+
+def _finite(tree):
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x))
+
+
+def _statistics(state):
+    return [f.value for s in state.estimator_state.block_states for f in getattr(s, "factors", ())]
+
+
+def test_overflowing_statistics_are_dropped_and_the_run_goes_on():
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, **ADAPTIVE)
+    params, state, _ = opt.step(PROBLEM.params, opt.init(PROBLEM.params, jax.random.key(0), BATCH),
+                                jax.random.key(1), batch=BATCH)
+    before = _statistics(state)
+    # Inputs x1e300 in float64: loss and gradient finite, second moments overflow.
+    params, state, stats = opt.step(params, state, jax.random.key(2), batch=_scaled(1e300))
+    assert bool(stats["curvature_update_dropped"])
+    assert int(state.estimator_state.dropped_updates) == 1
+    for old, new in zip(before, _statistics(state)):
+        np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
+    assert _finite((params, state))
+    for i in range(3):
+        params, state, stats = opt.step(params, state, jax.random.key(3 + i), batch=BATCH)
+    assert not bool(stats["curvature_update_dropped"]) and _finite((params, state))
+
+
+def test_nan_batch_and_overflow_leave_kfac_optax_unchanged():
+    transform = eqx_kfac.kfac_optax(PROBLEM.loss_fn, (PROBLEM.params, BATCH))
+    params = eqx.filter(PROBLEM.params, eqx.is_inexact_array)
+    state = transform.init(params)
+    grad = eqx.filter_grad(PROBLEM.loss_fn)
+    updates, state = transform.update(grad(PROBLEM.params, BATCH), state, params, batch=BATCH,
+                                      key=jax.random.key(0))
+    params = optax.apply_updates(params, updates)
+    nan_batch = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
+    new_updates, new_state = transform.update(grad(PROBLEM.params, nan_batch), state, params,
+                                              batch=nan_batch, key=jax.random.key(1))
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(new_updates))
+    same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), new_state.inner_state, state.inner_state)
+    assert all(jax.tree.leaves(same))
+    assert int(new_state.total_skipped) == 1
+    huge = _scaled(1e300)
+    updates, state = transform.update(grad(eqx.combine(params, PROBLEM.params), huge), state, params,
+                                      batch=huge, key=jax.random.key(2))
+    assert _finite(state) and _finite(updates)
+
+
+def test_skip_non_finite_sees_what_the_inner_transformation_makes():
+    # Finite gradients, a non-finite update: optax.apply_if_finite would apply it.
+    inner = optax.scale_by_schedule(lambda count: jnp.where(count == 1, jnp.inf, 1.0))
+    guarded = eqx_kfac.skip_non_finite(inner)
+    grads = {"w": jnp.ones(3)}
+    state = guarded.init(grads)
+    u0, state = guarded.update(grads, state)
+    u1, state = guarded.update(grads, state)
+    assert bool(jnp.all(u0["w"] == 1.0)) and bool(jnp.all(u1["w"] == 0.0))
+    assert int(state.total_skipped) == 1 and int(state.guard_state.consecutive_faults) == 1
+
+
+def test_faults_in_a_row_stop_the_run_with_an_explanation():
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, max_consecutive_faults=2, **ADAPTIVE)
+    state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    nan_batch = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
+    _, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=nan_batch)
+    assert bool(stats["skipped"])
+    with pytest.raises(Exception, match="2 consecutive steps were not applied"):
+        opt.step(PROBLEM.params, state, jax.random.key(2), batch=nan_batch)
+
+
+def test_a_step_that_raises_the_loss_is_rejected_and_the_damping_raised():
+    # A fixed, far too long learning rate with adaptive damping: every step raises the loss.
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, use_adaptive_damping=True,
+                             initial_damping=1e-3, max_consecutive_faults=None)
+    state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    params, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH,
+                                    learning_rate=1e4, momentum=0.0)
+    assert bool(stats["rejected"]) and float(stats["new_loss"]) > float(stats["loss"])
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), params, PROBLEM.params))
+    np.testing.assert_allclose(float(state.damping), 2e-3, rtol=1e-12)
+    assert int(state.step_counter) == 1
+
+
+@pytest.mark.parametrize(
+    "dtype, options, hyper",
+    [
+        (jnp.bfloat16, ADAPTIVE, {}),
+        (jnp.float16, {}, dict(learning_rate=0.1, momentum=0.9, damping=0.1)),
+    ],
+)
+def test_low_precision_parameters_train_and_keep_their_dtype(dtype, options, hyper):
+    params = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, PROBLEM.params)
+    batch = (BATCH[0].astype(dtype), BATCH[1])
+    if options:
+        opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, on_unmatched="error", **options)
+        state = opt.init(params, jax.random.key(0), batch)
+        p = params
+        for i in range(2):
+            p, state, stats = opt.step(p, state, jax.random.key(i), batch=batch, **hyper)
+        assert {x.dtype for x in jax.tree.leaves(eqx.filter(p, eqx.is_inexact_array))} == {jnp.dtype(dtype)}
+        assert {s.dtype for s in _statistics(state)} == {jnp.dtype(jnp.float32)}
+        assert not bool(stats["skipped"]) and _finite(p)
+        return
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, on_unmatched="error")
+    p, state, _ = opt.step(params, opt.init(params, jax.random.key(0), batch), jax.random.key(1),
+                           batch=batch, **hyper)
+    assert {x.dtype for x in jax.tree.leaves(eqx.filter(p, eqx.is_inexact_array))} == {jnp.dtype(dtype)}
+    transform = eqx_kfac.kfac_optax(PROBLEM.loss_fn, (params, batch), on_unmatched="error")
+    flat = eqx.filter(params, eqx.is_inexact_array)
+    updates, _ = transform.update(eqx.filter_grad(PROBLEM.loss_fn)(params, batch), transform.init(flat),
+                                  flat, batch=batch, key=jax.random.key(0))
+    assert {x.dtype for x in jax.tree.leaves(optax.apply_updates(flat, updates))} == {jnp.dtype(dtype)}
+
+
+def test_float32_parameters_with_float64_inputs_keep_structured_blocks_and_train():
+    params = jax.tree.map(lambda x: x.astype(jnp.float32) if eqx.is_inexact_array(x) else x, PROBLEM.params)
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=1, on_unmatched="error", **ADAPTIVE)
+    state = opt.init(params, jax.random.key(0), BATCH)
+    losses = []
+    for i in range(6):
+        params, state, stats = opt.step(params, state, jax.random.key(i), batch=BATCH)
+        losses.append(float(stats["loss"]))
+        assert not bool(stats["skipped"])
+    assert losses[-1] < losses[0]
+    assert {x.dtype for x in jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array))} == {jnp.dtype(jnp.float32)}
+
+
+def test_the_count_of_examples_cannot_wrap():
+    count = eqx_kfac.ExampleCount.zero()
+    for _ in range(3):
+        count = count.add(2**30 - 1)
+    assert int(count.high) * 2**30 + int(count.low) == 3 * (2**30 - 1)
+    assert float(count.value) == 3.0 * (2**30 - 1)
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0,
+                             learning_rate_schedule=lambda step, data_seen: 0.1 / (1 + data_seen / 2**31),
+                             momentum_schedule=lambda step: 0.0, damping_schedule=lambda step: 0.1)
+    state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    state = eqx.tree_at(lambda s: s.examples_seen, state, count)
+    _, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH)
+    assert float(stats["data_seen"]) == 3.0 * (2**30 - 1) + 8
+    assert np.isfinite(float(stats["learning_rate"])) and not bool(stats["skipped"])
+
+
+def test_misuse_raises_clear_errors():
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, **ADAPTIVE)
+    state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    other = mlp_classification(jax.random.key(1), sizes=(3, 5, 3), batch=8).params
+    with pytest.raises(ValueError, match="parameters passed to step are not those given to init"):
+        opt.step(other, state, jax.random.key(0), batch=BATCH)
+    with pytest.raises(ValueError, match="its structure is"):
+        opt.step(PROBLEM.params, state, jax.random.key(0), batch=list(BATCH))
+    # (Under the tests' run-time type checks the annotation catches it first.)
+    with pytest.raises(TypeError, match="restored without a template|Expected type: .*OptimizerState"):
+        opt.step(PROBLEM.params, {"step_counter": 0}, jax.random.key(0), batch=BATCH)
+
+    def vector_loss(params, batch):
+        logits = jax.vmap(params)(batch[0])
+        eqx_kfac.register_softmax_cross_entropy_loss(logits, batch[1])
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch[1][:, None], 1)[:, 0]
+
+    vector = eqx_kfac.Optimizer(eqx.filter_value_and_grad(lambda p, b: jnp.sum(vector_loss(p, b))),
+                                value_func=vector_loss, l2_reg=0.0, **ADAPTIVE)
+    with pytest.raises(ValueError, match="must return a scalar loss"):
+        vector.init(PROBLEM.params, jax.random.key(0), BATCH)
+    transform = eqx_kfac.kfac_preconditioner(PROBLEM.loss_fn, (PROBLEM.params, BATCH), damping=0.1)
+    with pytest.raises(TypeError, match="restored without a template"):
+        transform.update(PROBLEM.params, {"count": 0}, PROBLEM.params, batch=BATCH, key=jax.random.key(0))
+
+
+def test_suspicious_registrations_warn_and_bad_labels_raise():
+    def twice(model, batch):
+        logits = jax.vmap(model)(batch[0])
+        eqx_kfac.register_softmax_cross_entropy_loss(logits, batch[1])
+        eqx_kfac.register_softmax_cross_entropy_loss(logits, batch[1])
+        return jnp.mean(logits)
+
+    def stopped(model, batch):
+        logits = jax.vmap(model)(batch[0])
+        eqx_kfac.register_softmax_cross_entropy_loss(jax.lax.stop_gradient(logits), batch[1])
+        return jnp.mean(logits)
+
+    for loss, message in ((twice, "registered already"), (stopped, "does not depend on the parameters")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eqx_kfac.BlockDiagonalCurvature(loss, (PROBLEM.params, BATCH))
+        assert any(re.search(message, str(w.message)) for w in caught), loss.__name__
+    labels = BATCH[1].at[0].set(-1)
+    bad = (BATCH[0], labels)
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, **ADAPTIVE)
+    with pytest.raises(ValueError, match=r"1 labels outside \[0, classes\)"):
+        opt.init(PROBLEM.params, jax.random.key(0), bad)
+    # In a step (the labels are not known when it is traced), an empirical-Fisher update with
+    # the label is not finite and dropped; the label never wraps to the last class.
+    losses = [eqx_kfac.CategoricalLogitsNegativeLogProbLoss(BATCH[0], labels).evaluate()]
+    assert np.isnan(np.asarray(losses[0][0])) and np.all(np.isfinite(np.asarray(losses[0][1:])))
+
+
+def test_damping_calibration_stops_where_the_rule_keeps_the_damping():
+    # With adaptation at every step, the first step after the calibration is the calibration's
+    # last trial again: its rho lies between the thresholds and the damping stays, from a start
+    # far below or far above.
+    for initial in (1e-4, 10.0):
+        opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=1, initial_damping=initial,
+                                 damping_adaptation_interval=1, use_initial_damping_calibration=True,
+                                 use_step_rejection=False, **ADAPTIVE)
+        state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+        _, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH)
+        assert float(stats["damping"]) != initial
+        assert 0.25 <= float(stats["rho"]) <= 0.75
+        assert float(state.damping) == float(stats["damping"])
