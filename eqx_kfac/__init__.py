@@ -47,6 +47,9 @@ from ._curvature.estimators import (
     Registration as Registration,
     Registrations as Registrations,
 )
+from ._curvature.estimators.block_diagonal import (
+    set_default_tag_to_block_ctor as set_default_tag_to_block_ctor,
+)
 from ._tracing.graph_matcher import (
     DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS,
     GraphPattern as GraphPattern,
@@ -163,14 +166,19 @@ from ._curvature.solvers import (
     solve_block as solve_block,
 )
 from ._tracing.tags import (
+    conv2d_tag as conv2d_tag,
+    dense_tag as dense_tag,
     embedding_tag as embedding_tag,
+    generic_tag as generic_tag,
     LayerTag as LayerTag,
     LossTag as LossTag,
     register_conv2d as register_conv2d,
     register_dense as register_dense,
     register_embedding as register_embedding,
     register_generic as register_generic,
+    register_repeated_dense as register_repeated_dense,
     register_scale_and_shift as register_scale_and_shift,
+    scale_and_shift_tag as scale_and_shift_tag,
 )
 from ._tracing.tracer import (
     layer_tags_vjp as layer_tags_vjp,

@@ -25,7 +25,8 @@ from .._curvature.estimators.base import batch_size_of
 from .._curvature.estimators.distributed import distributed_update_cache
 from .._curvature.estimators.fallbacks import check_on_unmatched
 from .._curvature.estimators.loss_checks import check_batch_size, check_labels, check_loss_is_averaged
-from .._curvature.estimators.modes import ESTIMATION_MODES
+from .._curvature.estimators.modes import check_estimation_mode, ESTIMATION_MODES
+from .._tracing.tracer import trace
 from .direction import AbstractDirection, DirectionOutcome, PreconditionedGradient
 from .refresh import AbstractRefreshSchedule, RefreshSchedule
 
@@ -94,8 +95,9 @@ class CurvatureOptions(eqx.Module):
         self.batch_size_extractor = batch_size_extractor
 
     def build(self, func: Callable[..., Any], abstract_args: tuple[Any, ...]) -> BlockDiagonalCurvature:
-        """The estimator of `func` for arguments like `abstract_args` (traces `func`)."""
-        return BlockDiagonalCurvature(
+        """The estimator of `func` for arguments like `abstract_args` (traces `func`); an
+        estimation mode that does not fit the registered losses raises here."""
+        estimator = BlockDiagonalCurvature(
             func,
             abstract_args,
             default_estimation_mode=self.estimation_mode,
@@ -105,6 +107,8 @@ class CurvatureOptions(eqx.Module):
             on_unmatched=self.on_unmatched,
             **dict(self.auto_register_kwargs),
         )
+        check_estimation_mode(self.estimation_mode, trace(estimator.func, abstract_args).loss_classes)
+        return estimator
 
 
 class Preconditioner(eqx.Module):

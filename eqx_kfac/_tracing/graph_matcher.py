@@ -48,21 +48,23 @@ The default patterns and the `GraphPattern` class live in `graph_patterns.py`, t
 pattern at one equation in `pattern_matching.py`.
 """
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+from jax.extend.core import Jaxpr, JaxprEqn, Var
 
 from .derivative_rules import registers_inside_rules, through_derivative_rules
 from .graph_patterns import (
     DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS,
+    default_parameters,
     GraphPattern as GraphPattern,
 )
-from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, iter_eqns, subjaxprs
-from .pattern_matching import _Graph, _Live, _Matcher, _pattern_graphs, is_transparent
+from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr
+from .liveness import inner_jaxpr, LiveTable, liveness
+from .pattern_matching import _Graph, _Matcher, _pattern_graphs, is_transparent
 from .tags import (
     conv2d_tag,
     dense_tag,
@@ -84,7 +86,9 @@ from .tags import (
 
 _CONV_KEYS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers", "feature_group_count")
 _VALIDATORS = {
-    dense_tag: lambda m, ys, xs, ps: register_dense(*ys, *xs, *ps, weight_layout=m["weight_layout"]),
+    dense_tag: lambda m, ys, xs, ps: register_dense(
+        *ys, *xs, *ps, weight_layout=m["weight_layout"], variant=m.get("variant", "dense")
+    ),
     conv2d_tag: lambda m, ys, xs, ps: register_conv2d(*ys, *xs, *ps, **{k: m[k] for k in _CONV_KEYS}),
     embedding_tag: lambda m, ys, xs, ps: register_embedding(*ys, *xs, *ps),
     scale_and_shift_tag: lambda m, ys, xs, ps: register_scale_and_shift(
@@ -122,7 +126,7 @@ def _fits_tag(pattern: GraphPattern, meta: dict[str, Any], ys: list[Var], xs: li
         [struct(v) for v in ps],
     ]
     try:
-        jax.eval_shape(lambda y, x, p: validator(meta, y, pattern.tag_inputs(x), p), *structs)
+        jax.eval_shape(lambda y, x, p: validator(meta, y, pattern.tag_inputs(x, y), p), *structs)
     except (ValueError, TypeError):
         return False
     return True
@@ -131,36 +135,14 @@ def _fits_tag(pattern: GraphPattern, meta: dict[str, Any], ys: list[Var], xs: li
 # ----------------------------------------------------------------------------------------------
 # Walking the function's jaxpr: which variables are parameters, how often each is used, matches.
 
-_ONE_TO_ONE = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "call_jaxpr",
-}
-
 # A parameter reference: (leaf index, number of enclosing scans it is sliced by).
 _Ref = tuple[int, int]
-
-
-def _inner_jaxpr(eqn: JaxprEqn) -> Jaxpr | None:
-    """The sub-jaxpr the evaluator descends into (its invars are the equation's, in order)."""
-    name = eqn.primitive.name
-    if name in _ONE_TO_ONE:
-        sub = eqn.params[_ONE_TO_ONE[name]]
-        return sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
-    if name == "scan":
-        return eqn.params["jaxpr"].jaxpr
-    return None
 
 
 def _child(eqn: JaxprEqn, refs: dict[Var, _Ref]) -> tuple[Jaxpr, dict[Var, _Ref], list[tuple[int, int]]] | None:
     """The sub-jaxpr the evaluator descends into, its parameter references, and the reused leaves
     (as `(position among the equation's invars, leaf)`)."""
-    inner = _inner_jaxpr(eqn)
+    inner = inner_jaxpr(eqn)
     if inner is None:
         return None
     scan = eqn.primitive.name == "scan"
@@ -181,40 +163,6 @@ def _child(eqn: JaxprEqn, refs: dict[Var, _Ref]) -> tuple[Jaxpr, dict[Var, _Ref]
     return inner, inner_refs, reused
 
 
-def _has_loss_tag(jaxprs: Iterable[Jaxpr]) -> bool:
-    return any(is_loss_tag_eqn(e) for jaxpr in jaxprs for e in iter_eqns(jaxpr))
-
-
-def _liveness(
-    jaxpr: Jaxpr, live_outs: frozenset[int], prefix: tuple[int, ...], table: dict[tuple[int, ...], _Live]
-) -> frozenset[int]:
-    """Finds which values the registered losses' inputs depend on.
-
-    Walks `jaxpr` backwards from its outputs at `live_outs` and from the loss tags' inputs, records
-    in `table[prefix]` (and, for the sub-jaxprs the evaluator descends into, under their paths) the
-    live input positions of every equation, and returns the live positions of `jaxpr.invars`.
-    """
-    live = {v for k, v in enumerate(jaxpr.outvars) if k in live_outs and isinstance(v, Var)}
-    per_eqn: dict[int, frozenset[int]] = {}
-    for i in reversed(range(len(jaxpr.eqns))):
-        eqn = jaxpr.eqns[i]
-        outs = frozenset(k for k, v in enumerate(eqn.outvars) if v in live)
-        inner = _inner_jaxpr(eqn)
-        if inner is not None:
-            if outs and eqn.primitive.name == "scan":
-                # The carries feed the next step, so a live scan keeps its whole body live.
-                outs = frozenset(range(len(inner.outvars)))
-            positions = _liveness(inner, outs, (*prefix, i), table)
-        elif outs or is_loss_tag_eqn(eqn) or _has_loss_tag(subjaxprs(eqn)):
-            positions = frozenset(range(len(eqn.invars)))
-        else:
-            positions = frozenset()
-        per_eqn[i] = positions
-        live.update(v for k in positions if isinstance(v := eqn.invars[k], Var))
-    table[prefix] = (per_eqn, live_outs)
-    return frozenset(k for k, v in enumerate(jaxpr.invars) if v in live)
-
-
 # What a use of a parameter that is no single layer's is called in the fallback report.
 SCAN_CARRY = "a scan carry"
 _RETURNED = "a returned value"
@@ -225,18 +173,20 @@ def _count_uses(
     refs: dict[Var, _Ref],
     uses: dict[int, list[str]],
     manual: set[int],
-    live: dict[tuple[int, ...], _Live],
+    live: LiveTable,
     prefix: tuple[int, ...] = (),
 ) -> None:
     """Lists each parameter leaf's live uses by the primitive using it (tag equations excluded;
-    transparent equations such as `pvary` pass the parameter on) and collects manually tagged
-    leaves."""
-    per_eqn, live_outs = live[prefix]
+    transparent equations such as `pvary` pass the parameter on) and collects the leaves of manual
+    tags: generic ones, and layer tags whose outputs the losses depend on (another registers
+    nothing, e.g. in a second evaluation of the network, see the tracer)."""
+    per_eqn, live_outs = live[prefix].inputs, live[prefix].outputs
     refs = dict(refs)
     for i, eqn in enumerate(jaxpr.eqns):
         tag = layer_tag_of(eqn)
         if tag is not None:
-            manual.update(refs[v][0] for v in tag.split(eqn.invars)[2] if isinstance(v, Var) and v in refs)
+            if i in live[prefix].eqns or not tag.num_outputs:
+                manual.update(refs[v][0] for v in tag.split(eqn.invars)[2] if isinstance(v, Var) and v in refs)
             continue
         if is_loss_tag_eqn(eqn):
             continue
@@ -303,7 +253,7 @@ def _find_matches(
     prefix: tuple[int, ...],
     patterns: Sequence[GraphPattern],
     plan: _Plan,
-    live: dict[tuple[int, ...], _Live],
+    live: LiveTable,
 ) -> None:
     graph = _Graph(jaxpr, live[prefix])
     eqn_index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
@@ -319,10 +269,13 @@ def _find_matches(
                 if b is None:
                     continue
                 eqns = sorted((e for n in b.nodes.values() for e in n.eqns), key=lambda e: eqn_index[id(e)])
-                meta = pattern.parameters_extractor_func(eqns)
                 ys = [b.vars[v] for v in pg.outvars]
                 xs = [b.vars[v] for v in pg.inputs]
                 ps = [b.vars[v] for v in pg.params]
+                if pattern.parameters_extractor_func is None:
+                    meta = default_parameters(pattern.tag, eqns, ps, graph.resolve)
+                else:
+                    meta = pattern.parameters_extractor_func(eqns)
                 if meta is None or not _fits_tag(pattern, meta, ys, xs, ps):
                     continue
                 out_eqn = node.eqns[-1]
@@ -364,7 +317,7 @@ class _TagBinder(JaxprHook):
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
         inputs_major, outputs_major = match.pattern.feature_major
         ys = [_to_tag_layout(outs[i], outputs_major) for i in match.out_positions]
-        xs = match.pattern.tag_inputs([_to_tag_layout(x, inputs_major) for x in match.inputs])
+        xs = match.pattern.tag_inputs([_to_tag_layout(x, inputs_major) for x in match.inputs], ys)
         tagged = match.pattern.tag.bind(*ys, *xs, *match.params, **match.meta, origin=match.pattern.name)
         for i, y in zip(match.out_positions, tagged):
             outs[i] = _from_tag_layout(y, outputs_major)
@@ -469,9 +422,7 @@ def auto_register_tags(
         manual: set[int] = set()
         # Only what the losses depend on counts: a regulariser or a metric computed from a
         # parameter is no second use. Without losses, the function's outputs take their place.
-        live: dict[tuple[int, ...], _Live] = {}
-        outs = frozenset() if _has_loss_tag((jaxpr,)) else frozenset(range(len(jaxpr.outvars)))
-        _liveness(jaxpr, outs, (), live)
+        live = liveness(jaxpr)
         _count_uses(jaxpr, refs, uses, manual, live)
         shared = {leaf for leaf, u in uses.items() if _is_shared(u) and leaf not in manual}
         plan = _Plan()

@@ -22,7 +22,39 @@ _ExampleArgs = tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]
 
 
 def _as_struct(x: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), x)
+    """Shapes and dtypes of `x`, in tuples (lists are not hashable)."""
+    if isinstance(x, (list, tuple)):
+        return tuple(_as_struct(a) for a in x)
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+
+def _is_one_example(example_args: Any) -> bool:
+    """Whether `example_args` is one `(inputs, params)` pair rather than a sequence of them."""
+    return (
+        isinstance(example_args, (tuple, list))
+        and len(example_args) == 2
+        and isinstance(example_args[1], (tuple, list))
+        and all(hasattr(p, "shape") for p in example_args[1])
+    )
+
+
+def _check_tag(name: str, tag: Any, tag_primitive: Any, in_values_preprocessor: Any) -> LayerTag:
+    if in_values_preprocessor is not None:
+        raise TypeError(
+            f"GraphPattern {name!r}: kfac-jax's in_values_preprocessor works on jaxpr variables; "
+            "pass tag_inputs_func instead, a function from the matched input values to the tag's "
+            "inputs (e.g. `lambda xs: (xs[0] * xs[1],)`)."
+        )
+    if (tag is None) == (tag_primitive is None):
+        raise TypeError(f"GraphPattern {name!r}: give the LayerTag to bind as tag= (or tag_primitive=), once.")
+    tag = tag if tag is not None else tag_primitive
+    if not isinstance(tag, LayerTag):
+        raise TypeError(
+            f"GraphPattern {name!r}: the tag must be an eqx_kfac.LayerTag (e.g. eqx_kfac.dense_tag), "
+            f"got {tag!r}; kfac-jax's single layer_tag with a variant is register_dense(..., variant=...) "
+            "here, or a LayerTag of your own."
+        )
+    return tag
 
 
 class GraphPattern(eqx.Module):
@@ -36,17 +68,23 @@ class GraphPattern(eqx.Module):
 
     - `name`: the pattern's name; it becomes the tag's `origin` (shown in the registration report)
       and is what `patterns_to_skip` refers to.
-    - `tag`: the [`LayerTag`][eqx_kfac.LayerTag] to bind.
+    - `tag` (or `tag_primitive`, kfac-jax's name): the [`LayerTag`][eqx_kfac.LayerTag] to bind,
+      e.g. `eqx_kfac.dense_tag`.
     - `compute_func`: `compute_func(inputs, params) -> outputs`, the layer written with JAX
       operations, batch dimension first, exactly as it appears in the functions to match (e.g.
       under `jax.vmap` for an Equinox layer). `inputs` and `outputs` are an array or a tuple of
       `tag.num_inputs` / `tag.num_outputs` arrays; `params` is a tuple of arrays, in tag order.
-    - `example_args`: one `(inputs, params)` pair, or a sequence of them, of arrays or
-      `jax.ShapeDtypeStruct`s: the pattern is traced once per pair, so give one per form the
-      computation takes (e.g. one per input rank). Only shapes and dtypes are kept.
+    - `example_args`: one `(inputs, params)` pair (kfac-jax's `[x, [w, b]]` is one), or a
+      sequence of them, of arrays or `jax.ShapeDtypeStruct`s: the pattern is traced once per
+      pair, so give one per form the computation takes (e.g. one per input rank). Only shapes and
+      dtypes are kept; parameters given as lists reach `compute_func` as a list (kfac-jax's
+      `jax.vmap(f, in_axes=[0, [None, None]])` needs that), otherwise as a tuple.
     - `parameters_extractor_func`: `f(eqns) -> dict`, from the matched target equations (in jaxpr
-      order) to the tag's keyword parameters (without `origin`, which is the pattern's name).
-      Return `None` to reject the match.
+      order; kfac-jax passes them reversed) to the tag's keyword parameters (without `origin`,
+      which is the pattern's name). Return `None` to reject the match. `None` (the default)
+      reads the built-in tags' parameters off the match: a dense layer's `weight_layout` from
+      its `dot_general`, a convolution's geometry, whether a scale-and-shift layer has a scale
+      (a `mul`) and a shift (an `add`); other tags get none.
     - `precedence`: patterns are tried in increasing order of precedence (ties keep their order);
       give a larger pattern (e.g. with bias) a lower number than the one it contains (without).
     - `feature_major`: `(inputs, outputs)`, whether the matched inputs (outputs) hold their
@@ -60,6 +98,12 @@ class GraphPattern(eqx.Module):
       compute `(x - mean) * (rsqrt(var + eps) * scale) + shift`: their pattern's inputs are
       `(x - mean, rsqrt(var + eps))` and the scale-and-shift tag's input is their product. `None`
       (the default) hands the matched inputs over as they are.
+    - `broadcast_inputs`: whether the tag receives the inputs broadcast to the shape of the
+      (first) output. JAX broadcasts unit axes implicitly, so in FermiNet's envelope
+      `exp(-r_ae[..., None] * sigma)` the input `r_ae[..., None]` has a unit axis where the
+      output and `sigma` have the orbitals; the tag's input must be what multiplies the scale
+      elementwise. The default scale-and-shift patterns set it (as kfac-jax's
+      `scale_and_shift_broadcast` patterns do).
 
     Example sizes should be distinctive (e.g. 19, 23, not 1 or 2): integer literals and sizes in
     the pattern that equal a dimension of an example parameter are matched up to the target's
@@ -70,31 +114,36 @@ class GraphPattern(eqx.Module):
     tag: LayerTag = eqx.field(static=True)
     compute_func: Callable[..., Any] = eqx.field(static=True)
     example_args: tuple[_ExampleArgs, ...] = eqx.field(static=True)
-    parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None] = eqx.field(
+    parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None] | None = eqx.field(
         static=True
     )
     precedence: int = eqx.field(static=True, default=0)
     feature_major: tuple[bool, bool] = eqx.field(static=True, default=(False, False))
     tag_inputs_func: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = eqx.field(static=True, default=None)
+    broadcast_inputs: bool = eqx.field(static=True, default=False)
+    list_params: bool = eqx.field(static=True, default=False)
 
     def __init__(
         self,
         name: str,
-        tag: LayerTag,
-        compute_func: Callable[..., Any],
-        example_args: Any,
-        parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None],
+        tag: LayerTag | None = None,
+        compute_func: Callable[..., Any] | None = None,
+        example_args: Any = None,
+        parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None] | None = None,
         precedence: int = 0,
         feature_major: tuple[bool, bool] = (False, False),
         tag_inputs_func: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None,
+        broadcast_inputs: bool = False,
+        *,
+        tag_primitive: Any = None,
+        in_values_preprocessor: Any = None,
     ):
-        if isinstance(example_args, tuple) and len(example_args) == 2 and all(
-            hasattr(p, "shape") for p in example_args[1]
-        ):
+        tag = _check_tag(name, tag, tag_primitive, in_values_preprocessor)
+        if compute_func is None or example_args is None:
+            raise TypeError(f"GraphPattern {name!r}: give compute_func and example_args.")
+        if _is_one_example(example_args):
             example_args = [example_args]
-        sets = []
-        for inputs, params in example_args:
-            sets.append((_as_struct(inputs), tuple(_as_struct(p) for p in params)))
+        sets = [(_as_struct(inputs), tuple(_as_struct(p) for p in params)) for inputs, params in example_args]
         if not sets:
             raise ValueError(f"GraphPattern {name!r}: give at least one (inputs, params) example.")
         self.name = name
@@ -105,22 +154,28 @@ class GraphPattern(eqx.Module):
         self.precedence = precedence
         self.feature_major = (bool(feature_major[0]), bool(feature_major[1]))
         self.tag_inputs_func = tag_inputs_func
+        self.broadcast_inputs = bool(broadcast_inputs)
+        self.list_params = all(isinstance(params, list) for _, params in example_args)
 
-    def tag_inputs(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
-        """The tag's inputs from the matched inputs (see `tag_inputs_func`).
+    def tag_inputs(self, inputs: Sequence[Any], outputs: Sequence[Any] = ()) -> tuple[Any, ...]:
+        """The tag's inputs from the matched inputs (see `tag_inputs_func` and
+        `broadcast_inputs`).
 
         **Arguments:**
 
-        - `inputs`: the values (or `jax.ShapeDtypeStruct`s, under `jax.eval_shape`) bound to the
-          pattern's inputs, in order.
+        - `inputs`: the values (or tracers, under `jax.eval_shape`) bound to the pattern's inputs,
+          in order.
+        - `outputs`: the values bound to its outputs (their shape is used by
+          `broadcast_inputs`).
 
         **Returns:**
 
         The tag's inputs, a tuple.
         """
-        if self.tag_inputs_func is None:
-            return tuple(inputs)
-        return tuple(self.tag_inputs_func(tuple(inputs)))
+        xs = tuple(inputs) if self.tag_inputs_func is None else tuple(self.tag_inputs_func(tuple(inputs)))
+        if self.broadcast_inputs:
+            xs = tuple(jnp.broadcast_to(x, jnp.shape(outputs[0])) for x in xs)
+        return xs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,6 +351,62 @@ def _conv_meta(has_bias: bool) -> Callable[[Sequence[JaxprEqn]], dict[str, Any] 
     return extract
 
 
+def _dense_meta(eqns: Sequence[JaxprEqn], params: Sequence[Any], resolve: Callable[[Any], Any]) -> dict[str, Any] | None:
+    """A dense layer's tag parameters: the weight's layout, from the axis its `dot_general`
+    contracts."""
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    if len(dots) != 1:
+        return None
+    (dot,) = dots
+    contracting, _ = dot.params["dimension_numbers"]
+    # The weight may reach the product transposed (`x @ w.T`).
+    transposed = {e.outvars[0]: e for e in eqns if e.primitive.name == "transpose"}
+    for k, v in enumerate(dot.invars):
+        permutation = (0, 1)
+        if v in transposed:
+            permutation, v = tuple(transposed[v].params["permutation"]), transposed[v].invars[0]
+        if resolve(v) is params[0] and len(contracting[k]) == 1 and v.aval.ndim == 2:
+            layout = "in_out" if permutation[int(contracting[k][0])] == 0 else "out_in"
+            return dict(weight_layout=layout, has_bias=len(params) == 2)
+    return None
+
+
+def _scale_and_shift_meta(eqns: Sequence[JaxprEqn], params: Sequence[Any]) -> dict[str, Any] | None:
+    """kfac-jax's reading: a `mul` is the scale, an `add` the shift."""
+    names = {e.primitive.name for e in eqns}
+    has_scale, has_shift = "mul" in names, bool({"add", "add_any"} & names)
+    if has_scale + has_shift != len(params):
+        return None
+    return dict(has_scale=has_scale, has_shift=has_shift, param_axes=None)
+
+
+def default_parameters(
+    tag: LayerTag, eqns: Sequence[JaxprEqn], params: Sequence[Any], resolve: Callable[[Any], Any]
+) -> dict[str, Any] | None:
+    """The tag parameters of a match of a pattern without `parameters_extractor_func`.
+
+    **Arguments:**
+
+    - `tag`: the pattern's tag.
+    - `eqns`: the matched equations, in jaxpr order.
+    - `params`: the variables bound to the pattern's parameters.
+    - `resolve`: maps an equation's input to the variable it is computed from by value-preserving
+      equations (conversions), to recognise the parameters among the inputs.
+
+    **Returns:**
+
+    The tag's keyword parameters (empty for a tag other than the built-in ones), or `None` when
+    they cannot be read off (the match is then rejected).
+    """
+    if tag is dense_tag:
+        return _dense_meta(eqns, params, resolve)
+    if tag is conv2d_tag:
+        return _conv_meta(len(params) == 2)(eqns)
+    if tag is scale_and_shift_tag:
+        return _scale_and_shift_meta(eqns, params)
+    return {}
+
+
 def _embedding_per_example(ids, params):
     (table,) = params
     return _vmapped(eqx.nn.Embedding(weight=table), ids, ids.ndim)
@@ -364,7 +475,8 @@ def _normalization_examples(n_params: int) -> list[_ExampleArgs]:
 
 def _scale_and_shift_patterns() -> list[GraphPattern]:
     """Flax's and Haiku's normalisation layers, then `x * s + b` (and its parts) with the
-    parameters along the trailing or the leading axes of each example."""
+    parameters along the trailing or the leading axes of each example. An input with unit axes
+    that the parameters broadcast against (`r[..., None] * sigma`) is broadcast for the tag."""
     patterns = []
     # Before `scale_only`, which would take the `rsqrt(var + eps) * scale` of a BatchNorm.
     for has_shift, precedence in ((True, 0), (False, 1)):
@@ -386,6 +498,7 @@ def _scale_and_shift_patterns() -> list[GraphPattern]:
                 name, scale_and_shift_tag, _scale_and_shift(has_scale, has_shift),
                 _scale_and_shift_examples(has_scale + has_shift),
                 _fixed_meta(has_scale=has_scale, has_shift=has_shift, param_axes=None), precedence,
+                broadcast_inputs=True,
             )
         )
         patterns.append(

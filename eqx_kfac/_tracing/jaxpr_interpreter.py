@@ -31,6 +31,11 @@ the hook; the hook may replace the equation's evaluation.
   that iteration's slice, evaluates the body, and calls `ys = hook.end_iteration()` to get a PyTree
   of per-iteration values; after the scan it calls `hook.exit_scan(eqn, stacked_ys)` with those
   values stacked along a leading `length` axis. The hook keeps its own stack for nested scans.
+- `hook.evaluates(eqn)` (true by default) is asked first, for every equation: when it is false
+  the equation is not evaluated at all and its outputs get the placeholder `SKIPPED` (the tracer
+  skips what the registered losses do not depend on). An evaluated equation that reads a
+  `SKIPPED` value gets zeros of its type instead, so skip only equations whose outputs do not
+  matter; `eval_jaxpr` may return `SKIPPED` for some outputs.
 - `current_path()` returns, during evaluation, the positions of the enclosing equations from the
   top-level jaxpr down to the equation being evaluated, e.g. `(3, 0, 5)` for equation 5 of the
   scan body of equation 0 of the `jit` at equation 3. Paths are stable across evaluations of the
@@ -44,10 +49,20 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Var
 
 _CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _CUSTOM_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+class _Skipped:
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+
+SKIPPED = _Skipped()
+"""The value of the outputs of an equation the hook chose not to evaluate."""
 
 
 class JaxprHook:
@@ -65,6 +80,10 @@ class JaxprHook:
     def matches(self, eqn: JaxprEqn) -> bool:
         """Whether the hook is interested in `eqn` (used to decide descending into custom calls)."""
         return False
+
+    def evaluates(self, eqn: JaxprEqn) -> bool:
+        """Whether to evaluate `eqn` at all (otherwise its outputs are `SKIPPED`)."""
+        return True
 
     def descend_into(self, eqn: JaxprEqn) -> bool:
         """Whether to inline the primal jaxpr of a custom_jvp/custom_vjp equation."""
@@ -179,20 +198,15 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: JaxprH
 
 def _eval_eqn(eqn: JaxprEqn, invals: list[Any], hook: JaxprHook) -> Any:
     name = eqn.primitive.name
+    if not hook.evaluates(eqn):
+        return [SKIPPED] * len(eqn.outvars)
+    # An input that only skipped equations would have used: any value of its type will do.
+    invals = [jnp.zeros(v.aval.shape, v.aval.dtype) if x is SKIPPED else x for v, x in zip(eqn.invars, invals)]
     if name in _CALL_PRIMITIVES:
         sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         return _eval_sub(sub, invals, hook)
     if name == "remat2":
-        body = eqn.params["jaxpr"]
-
-        def remat_body(*xs):
-            return _eval(body, [], xs, hook)
-
-        return list(
-            jax.checkpoint(
-                remat_body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
-            )(*invals)
-        )
+        return _eval_remat(eqn, invals, hook)
     if name in _CUSTOM_PRIMITIVES and hook.descend_into(eqn):
         return _eval_sub(eqn.params["call_jaxpr"], invals, hook)
     if name == "scan":
@@ -211,6 +225,22 @@ def _bind(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
     debug = DebugInfo("eqx_kfac", eqn.primitive.name, None, None)
     jaxpr = Jaxpr([], invars, outvars, [eqn.replace(invars=invars, outvars=outvars)], eqn.effects, debug)
     return jax.core.eval_jaxpr(jaxpr, [], *invals)
+
+
+def _eval_remat(eqn: JaxprEqn, invals: list[Any], hook: JaxprHook) -> list[Any]:
+    body = eqn.params["jaxpr"]
+    skipped: list[bool] = []
+
+    def remat_body(*xs):
+        # Only arrays may leave `jax.checkpoint`: skipped outputs are put back outside it.
+        outs = _eval(body, [], xs, hook)
+        skipped[:] = [o is SKIPPED for o in outs]
+        return [o for o in outs if o is not SKIPPED]
+
+    outs = iter(
+        jax.checkpoint(remat_body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])(*invals)
+    )
+    return [SKIPPED if s else next(outs) for s in skipped]
 
 
 def _eval_sub(sub: ClosedJaxpr | Jaxpr, invals: list[Any], hook: JaxprHook) -> list[Any]:

@@ -16,14 +16,11 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
 from .graph_patterns import _ExampleArgs, GraphPattern
+from .liveness import Liveness
 
 
 # ----------------------------------------------------------------------------------------------
 # Graphs: a jaxpr's equations as nodes, with broadcast chains merged.
-
-
-# Live input positions of each equation of one jaxpr (by index) and live output positions.
-_Live = tuple[dict[int, frozenset[int]], frozenset[int]]
 
 
 class _Node:
@@ -99,10 +96,10 @@ class _Graph:
 
     Transparent equations (`is_transparent`: `pvary`, widening float conversions) change no
     value, so they are no nodes: the nodes read through them (`resolve`). `live` (from
-    `_liveness`) says which uses matter; `None` means all of them.
+    `liveness`) says which uses matter; `None` means all of them.
     """
 
-    def __init__(self, jaxpr: Jaxpr, live: _Live | None = None):
+    def __init__(self, jaxpr: Jaxpr, live: Liveness | None = None):
         self.transparent: dict[Var, JaxprEqn] = {}
         eqns = []
         for i, eqn in enumerate(jaxpr.eqns):
@@ -118,7 +115,7 @@ class _Graph:
         self.nodes: list[_Node] = []
         self.producer: dict[Var, tuple[_Node, int]] = {}
         for i, eqn in eqns:
-            live_in = frozenset(range(len(eqn.invars))) if live is None else live[0][i]
+            live_in = frozenset(range(len(eqn.invars))) if live is None else live.inputs[i]
             invars = [resolve(v) for v in eqn.invars]
             primitive, params = _as_broadcast(eqn)
             node = _Node(primitive, params, invars, list(eqn.outvars), (eqn,), live_in)
@@ -147,7 +144,7 @@ class _Graph:
         self.live_outvars = {
             resolve(v)
             for k, v in enumerate(jaxpr.outvars)
-            if isinstance(v, Var) and (live is None or k in live[1])
+            if isinstance(v, Var) and (live is None or k in live.outputs)
         }
 
     def resolve(self, v: Any) -> Any:
@@ -175,7 +172,7 @@ class _PatternGraph:
 
     def __init__(self, pattern: GraphPattern, example: _ExampleArgs):
         inputs, params = example
-        closed = jax.make_jaxpr(pattern.compute_func)(inputs, params)
+        closed = jax.make_jaxpr(pattern.compute_func)(inputs, list(params) if pattern.list_params else params)
         jaxpr = closed.jaxpr
         n_in = len(jax.tree.leaves(inputs))
         if jaxpr.constvars:

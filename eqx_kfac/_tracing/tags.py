@@ -187,9 +187,18 @@ def _conv_batch_axes(meta: dict[str, Any]) -> tuple[int, int]:
 _LAYER_TAGS: dict[Primitive, LayerTag] = {}
 
 dense_tag = LayerTag("dense", num_inputs=1, num_outputs=1)
+"""`dense_tag.bind(y, x, w, [b], weight_layout=, has_bias=, origin=, [variant=])`: a dense layer
+(see [`register_dense`][eqx_kfac.register_dense]); the tag of `GraphPattern`s for dense layers."""
 conv2d_tag = LayerTag("conv2d", num_inputs=1, num_outputs=1)
+"""`conv2d_tag.bind(y, x, w, [b], window_strides=, padding=, lhs_dilation=, rhs_dilation=,
+dimension_numbers=, feature_group_count=, has_bias=, origin=)`: a 2-D convolution (see
+[`register_conv2d`][eqx_kfac.register_conv2d])."""
 scale_and_shift_tag = LayerTag("scale_and_shift", num_inputs=1, num_outputs=1)
+"""`scale_and_shift_tag.bind(y, x, *params, has_scale=, has_shift=, param_axes=, origin=)`:
+`y = x * scale + shift` (see [`register_scale_and_shift`][eqx_kfac.register_scale_and_shift])."""
 generic_tag = LayerTag("generic", num_inputs=0, num_outputs=0)
+"""`generic_tag.bind(*params, origin=)`: parameters without known inputs or outputs (see
+[`register_generic`][eqx_kfac.register_generic])."""
 embedding_tag = LayerTag("embedding", num_inputs=1, num_outputs=1)
 """`embedding_tag.bind(y, ids, table, origin=...)`: `y = table[ids]`, `ids: (batch, *extra)`
 integers, `table: (vocab, features)`. The tag records the integer ids (not the one-hot matrix of
@@ -212,25 +221,41 @@ def _shape_error(what: str, detail: str) -> ValueError:
 
 
 def register_dense(
-    y: Array, x: Array, w: Array, b: Array | None = None, *, weight_layout: str | None = None
+    y: Array,
+    x: Array,
+    w: Array,
+    b: Array | None = None,
+    *,
+    weight_layout: str | None = None,
+    variant: str = "dense",
 ) -> Array:
     """Registers a dense layer `y = x @ w (+ b)` (or `y = x @ w.T (+ b)`).
 
     **Arguments:**
 
     - `y`: the layer output, shape `(..., out)`.
-    - `x`: the layer input, shape `(..., in)` with the same leading dims as `y`.
+    - `x`: the layer input, shape `(..., in)` with the same leading dims as `y`: the batch axis,
+      then any number of axes the layer is repeated along (sequence positions, FermiNet's
+      electrons), which the blocks treat as more examples (the "expand" convention).
     - `w`: the weight, shape `(in, out)` (layout `"in_out"`) or `(out, in)` (layout `"out_in"`, as
       in `eqx.nn.Linear`). The layout is inferred from the shapes; a square weight is taken as
       `"in_out"` unless `weight_layout` says otherwise.
     - `b`: optional bias of shape `(out,)`.
     - `weight_layout`: `"in_out"` or `"out_in"`, to override the inference.
+    - `variant`: kfac-jax's keyword, kept in the tag's parameters (the `LayerSpec`'s `meta`).
+      `"dense"` (the default) and `"repeated_dense"` are the same layer here: the dense tag
+      takes repeated axes after the batch axis, which kfac-jax's `"dense"` refuses and its
+      `"repeated_dense"` (`register_repeated_dense`) takes. Any other name is a variant of your
+      own: the layer gets the block given for that name in `layer_tag_to_block_ctor` (or by
+      `set_default_tag_to_block_ctor`), and the dense blocks where there is none.
 
     **Returns:**
 
     `y`, unchanged.
     """
     what = f"register_dense(y: {jnp.shape(y)}, x: {jnp.shape(x)}, w: {jnp.shape(w)}, b: {None if b is None else jnp.shape(b)})"
+    if not isinstance(variant, str) or not variant:
+        raise TypeError(f"{what}: variant must be a non-empty string such as 'dense', got {variant!r}.")
     if jnp.ndim(x) < 1 or jnp.ndim(y) < 1 or jnp.ndim(w) != 2:
         raise _shape_error(what, "expected x: (..., in), y: (..., out) and a 2-D weight.")
     if jnp.shape(x)[:-1] != jnp.shape(y)[:-1]:
@@ -251,7 +276,23 @@ def register_dense(
     if b is not None and jnp.shape(b) != (n_out,):
         raise _shape_error(what, f"the bias must have shape (out,) = {(n_out,)}.")
     args = (y, x, w) if b is None else (y, x, w, b)
-    return dense_tag.bind(*args, weight_layout=weight_layout, has_bias=b is not None, origin="manual")[0]
+    meta = {} if variant == "dense" else {"variant": variant}
+    return dense_tag.bind(*args, weight_layout=weight_layout, has_bias=b is not None, origin="manual", **meta)[0]
+
+
+def register_repeated_dense(
+    y: Array, x: Array, w: Array, b: Array | None = None, *, weight_layout: str | None = None
+) -> Array:
+    """`register_dense(..., variant="repeated_dense")`, kfac-jax's (and FermiNet's) name for a
+    dense layer applied along repeated axes, e.g. to every electron: `x: (batch, *repeats, in)`.
+
+    **Arguments:** as for [`register_dense`][eqx_kfac.register_dense].
+
+    **Returns:**
+
+    `y`, unchanged.
+    """
+    return register_dense(y, x, w, b, weight_layout=weight_layout, variant="repeated_dense")
 
 
 def normalize_conv_params(

@@ -20,6 +20,7 @@ from jaxtyping import Array, PyTree
 from .derivative_rules import registers_inside_rules, through_derivative_rules
 from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, iter_eqns, subjaxprs
 from .layer_data import LayerSpec
+from .liveness import live_paths, liveness
 from .tags import LayerTag, is_layer_tag_eqn, is_loss_tag_eqn, layer_tag_of, loss_tag
 
 
@@ -44,11 +45,23 @@ def _contains_tags(jaxpr: Jaxpr) -> bool:
     return any(_is_tag_eqn(e) for e in iter_eqns(jaxpr))
 
 
+def _opaque(eqn: JaxprEqn) -> bool:
+    """Whether the tracer's hooks bind `eqn` as a whole: a custom-derivative function without tags
+    (its rule is kept); they descend into the other calls (see `_TagHook`)."""
+    return eqn.primitive.name in _CUSTOM and not _contains_tags(eqn.params["call_jaxpr"].jaxpr)
+
+
 class _TagHook(JaxprHook):
-    """Base hook of the tracer: descends into custom-derivative functions that contain tags."""
+    """Base hook of the tracer: descends into custom-derivative functions that contain tags, and
+    evaluates only the equations the registered losses depend on (`evaluated`, a set of paths)."""
+
+    evaluated: frozenset[tuple[int, ...]]
 
     def matches(self, eqn: JaxprEqn) -> bool:
         return _is_tag_eqn(eqn)
+
+    def evaluates(self, eqn: JaxprEqn) -> bool:
+        return current_path() in self.evaluated
 
 
 class TracedFunction:
@@ -91,7 +104,12 @@ class TracedFunction:
             expanded = flat(through_derivative_rules(func, params_index))
             self.closed_jaxpr = jax.make_jaxpr(expanded)(*params_avals, *others)
         self.num_params = n_params
-        layers, losses = _find_tags(self.closed_jaxpr.jaxpr, n_params, self.param_paths)
+        # What the registered losses depend on: layer tags elsewhere (the network evaluated again
+        # in a local energy's Laplacian) are ignored, and evaluations skip the rest.
+        live = liveness(self.closed_jaxpr.jaxpr, _opaque)
+        self.evaluated = live_paths(live)
+        layers, unused, losses = _find_tags(self.closed_jaxpr.jaxpr, n_params, self.param_paths, self.evaluated)
+        layers = _registered_layers(layers, unused, live[()].invars, self.param_paths)
         if not losses:
             raise ValueError(
                 "No loss is registered in the traced function: call one of the `register_*_loss` "
@@ -273,7 +291,9 @@ def _path_str(path: tuple) -> str:
 
 
 class _Occurrence:
-    def __init__(self, path, eqn, tag, param_indices, scan_path, scan_length, repeated):
+    def __init__(self, path, eqn, tag, param_indices, scan_path, scan_length, repeated, live):
+        # Whether the registered losses depend on the tag's outputs (generic tags have none).
+        self.live: bool = live
         self.path: tuple[int, ...] = path
         self.eqn: JaxprEqn = eqn
         self.tag: LayerTag = tag
@@ -285,13 +305,18 @@ class _Occurrence:
         self.repeated: bool = repeated
 
 
-def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str]):
+def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str], live: frozenset[tuple[int, ...]]):
     """Walks the jaxpr the way `eval_jaxpr` does and locates tags and their parameter leaves.
+
+    Returns the layer occurrences (tags at the `live` paths, and generic tags, which have no
+    outputs), the leaves of the other layer tags (their outputs reach no registered loss), and the
+    losses.
 
     A variable's source is `(leaf index, number of scan slicings)` when it is a parameter leaf or
     a slice of one taken by `lax.scan`, otherwise absent.
     """
     layers: list[_Occurrence] = []
+    unused: set[int] = set()
     losses: list[tuple[tuple[int, ...], type]] = []
 
     def walk(jaxpr: Jaxpr, sources: dict, path: tuple, scans: tuple):
@@ -321,7 +346,11 @@ def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str]):
                 shape = eqn.invars[0].aval.shape
                 losses.append((here, type(structure.static), int(shape[0]) if shape else 1))
             elif is_layer_tag_eqn(eqn):
-                layers.append(_layer_occurrence(eqn, srcs, here, scans, param_paths))
+                tag = layer_tag_of(eqn)
+                if here in live or not tag.num_outputs:
+                    layers.append(_layer_occurrence(eqn, srcs, here, scans, param_paths, here in live))
+                else:
+                    unused.update(src[0] for src in tag.split(srcs)[2] if src is not None)
             elif any(_contains_tags(sub) for sub in subjaxprs(eqn)):
                 raise ValueError(
                     f"A tag is used inside `{name}`, which the tracer does not look into; move the "
@@ -330,14 +359,40 @@ def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str]):
                 )
 
     walk(jaxpr, {v: (i, 0) for i, v in enumerate(jaxpr.invars[:n_params])}, (), ())
-    return layers, losses
+    return layers, unused, losses
+
+
+def _registered_layers(
+    layers: list["_Occurrence"], unused: set[int], live_params: frozenset[int], param_paths: Sequence[str]
+) -> list["_Occurrence"]:
+    """The layers the registered losses depend on, as kfac-jax takes them.
+
+    A layer tag whose outputs reach no registered loss (`unused`: e.g. the network evaluated again
+    inside a local energy) registers nothing. A generic tag has no outputs: it counts unless its
+    parameters belong to a layer the losses depend on, or to an earlier generic tag. A parameter
+    whose only tags are unused although the losses depend on it was used outside its layer.
+    """
+    owned = {i for occ in layers if occ.live for i in occ.param_indices}
+    kept = []
+    for occ in layers:
+        if occ.live or not owned.intersection(occ.param_indices):
+            kept.append(occ)
+            owned.update(occ.param_indices)
+    for i in sorted((unused & live_params) - owned):
+        raise ValueError(
+            f"The parameter `{param_paths[i]}` is registered by a layer tag whose outputs the "
+            "registered losses do not depend on, but the losses use the parameter elsewhere: the "
+            "layer's output was used instead of the value returned by its registration (write "
+            "`y = register_dense(y, x, w)`), or the parameter is used outside the layer."
+        )
+    return kept
 
 
 def _bind_sources(invars, srcs) -> dict:
     return {v: s for v, s in zip(invars, srcs) if s is not None}
 
 
-def _layer_occurrence(eqn, srcs, path, scans, param_paths) -> _Occurrence:
+def _layer_occurrence(eqn, srcs, path, scans, param_paths, live) -> _Occurrence:
     tag = layer_tag_of(eqn)
     _, _, param_srcs = tag.split(srcs)
     where = f"the {tag.name} tag (origin {eqn.params.get('origin', 'manual')!r})"
@@ -355,7 +410,7 @@ def _layer_occurrence(eqn, srcs, path, scans, param_paths) -> _Occurrence:
         sliced.add(depth == len(scans))
         indices.append(leaf)
     if not scans:
-        return _Occurrence(path, eqn, tag, tuple(indices), None, None, False)
+        return _Occurrence(path, eqn, tag, tuple(indices), None, None, False, live)
     names = ", ".join(f"`{param_paths[i]}`" for i in indices)
     if len(sliced) > 1:
         raise ValueError(
@@ -370,7 +425,7 @@ def _layer_occurrence(eqn, srcs, path, scans, param_paths) -> _Occurrence:
             "convolution shared over time), which convolution blocks do not support. Register "
             "them with `register_generic` (or unroll the loop)."
         )
-    return _Occurrence(path, eqn, tag, tuple(indices), scans[0][0], scans[0][1], repeated)
+    return _Occurrence(path, eqn, tag, tuple(indices), scans[0][0], scans[0][1], repeated, live)
 
 
 class _Run:
@@ -381,6 +436,7 @@ class _Run:
 
 def _run(traced: TracedFunction, params, others, hook) -> _Run:
     hook.run = _Run()
+    hook.evaluated = traced.evaluated
     eval_jaxpr(traced.closed_jaxpr, [*params, *others], hook)
     return hook.run
 

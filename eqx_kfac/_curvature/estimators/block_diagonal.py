@@ -38,13 +38,28 @@ from .modes import (
 
 BlockCtor = Callable[[LayerSpec], CurvatureBlock]
 
-DEFAULT_TAG_TO_BLOCK_CTOR: Mapping[str, BlockCtor] = {
+DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, BlockCtor] = {
     "dense": DenseTwoKroneckerFactored,
     "conv2d": Conv2DTwoKroneckerFactored,
     "scale_and_shift": ScaleAndShiftDiagonal,
     "generic": NaiveDiagonal,
     "embedding": EmbeddingKroneckerFactored,
 }
+
+
+def set_default_tag_to_block_ctor(tag_name: str, block_ctor: BlockCtor) -> None:
+    """Sets the block every estimator built afterwards gives a tag (or a `register_dense`
+    variant) that `layer_tag_to_block_ctor` does not name, as kfac-jax's function of this name.
+
+    **Arguments:**
+
+    - `tag_name`: a tag's name (`"dense"`, `"conv2d"`, a custom `LayerTag`'s) or a variant
+      passed to `register_dense(..., variant=...)`.
+    - `block_ctor`: a block class, or any `LayerSpec -> CurvatureBlock` callable.
+    """
+    if tag_name.endswith("_tag"):
+        raise ValueError(f"set_default_tag_to_block_ctor takes the tag's name without '_tag': {tag_name[:-4]!r}.")
+    DEFAULT_TAG_TO_BLOCK_CTOR[tag_name] = block_ctor
 
 
 def _choose_ctor(
@@ -55,10 +70,11 @@ def _choose_ctor(
     for key in (tuple(spec.param_indices), *spec.param_paths):
         if key in index_to_block_ctor:
             return index_to_block_ctor[key]
-    if spec.tag in layer_tag_to_block_ctor:
-        return layer_tag_to_block_ctor[spec.tag]
-    if spec.tag in DEFAULT_TAG_TO_BLOCK_CTOR:
-        return DEFAULT_TAG_TO_BLOCK_CTOR[spec.tag]
+    # A `register_dense` variant's own block first, then its tag's.
+    for mapping in (layer_tag_to_block_ctor, DEFAULT_TAG_TO_BLOCK_CTOR):
+        for name in (spec.get("variant"), spec.tag):
+            if name in mapping:
+                return mapping[name]
     raise ValueError(
         f"No curvature block for the {spec.describe}: tag {spec.tag!r} has no default block. Pass "
         f"`layer_tag_to_block_ctor={{{spec.tag!r}: SomeBlock}}` (or an `index_to_block_ctor` "
