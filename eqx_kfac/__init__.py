@@ -156,6 +156,27 @@ from ._optim.step_rule import (
     StepCoefficients as StepCoefficients,
     StepProposal as StepProposal,
 )
+from ._pinn import (
+    default_grid as default_grid,
+    DenseGaussNewton as DenseGaussNewton,
+    DenseGaussNewtonState as DenseGaussNewtonState,
+    engd as engd,
+    engd_preconditioner as engd_preconditioner,
+    GridLineSearchState as GridLineSearchState,
+    KroneckerSumState as KroneckerSumState,
+    pinn_kfac as pinn_kfac,
+    register_residual_loss as register_residual_loss,
+    register_taylor_dense as register_taylor_dense,
+    scale_by_grid_linesearch as scale_by_grid_linesearch,
+    SimultaneousDiagonalisation as SimultaneousDiagonalisation,
+    taylor_dense_tag as taylor_dense_tag,
+    taylor_forward as taylor_forward,
+    TaylorDenseFull as TaylorDenseFull,
+    TaylorDenseKroneckerSum as TaylorDenseKroneckerSum,
+    TaylorDenseTwoKroneckerFactored as TaylorDenseTwoKroneckerFactored,
+    TaylorInput as TaylorInput,
+    TaylorOutput as TaylorOutput,
+)
 from ._curvature.patches import (
     patches_moments as patches_moments,
     patches_moments_explicit as patches_moments_explicit,

@@ -63,10 +63,13 @@ def _fixture_kwargs(setting):
         damping_adaptation_decay=float(ctor["damping_adaptation_decay"]),
         damping_lower_threshold=float(ctor["damping_lower_threshold"]),
         damping_upper_threshold=float(ctor["damping_upper_threshold"]),
-        # kfac-jax has no bounds on the adaptive coefficients and rejects no step by default.
+        # kfac-jax has no bounds or trust region on the adaptive coefficients, rejects no step
+        # and folds in every finite batch.
         use_step_rejection=False,
         adaptive_learning_rate_bounds=None,
         adaptive_momentum_bounds=None,
+        max_predicted_decrease=None,
+        max_statistics_growth=None,
     )
     if ctor.get("initial_damping", "None") != "None":
         ours["initial_damping"] = float(ctor["initial_damping"])

@@ -51,6 +51,75 @@ def test_overflowing_statistics_are_dropped_and_the_run_goes_on():
     assert not bool(stats["curvature_update_dropped"]) and _finite((params, state))
 
 
+@pytest.mark.parametrize("growth", [1e3, None])
+def test_an_outlier_batch_is_not_folded_into_the_statistics(growth):
+    # Inputs x1e6: finite, but their second moments are 1e12 times the usual ones.
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, max_statistics_growth=growth,
+                             **ADAPTIVE)
+    params, state, _ = opt.step(PROBLEM.params, opt.init(PROBLEM.params, jax.random.key(0), BATCH),
+                                jax.random.key(1), batch=BATCH)
+    before = _statistics(state)
+    _, state, stats = opt.step(params, state, jax.random.key(2), batch=_scaled(1e6))
+    unchanged = all(bool(jnp.all(o == n)) for o, n in zip(before, _statistics(state)))
+    assert bool(stats["curvature_update_dropped"]) == unchanged == (growth is not None)
+    # An ordinary batch is folded in.
+    _, state, stats = opt.step(params, state, jax.random.key(3), batch=_scaled(1.5))
+    assert not bool(stats["curvature_update_dropped"])
+
+
+def test_the_trust_region_bounds_the_predicted_decrease():
+    changes = {}
+    for tau in (None, 1e-3):
+        opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, max_predicted_decrease=tau,
+                                 use_step_rejection=False, **ADAPTIVE)
+        params, state = PROBLEM.params, opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+        for i in range(2):  # the second step has momentum
+            params, state, stats = opt.step(params, state, jax.random.key(i), batch=BATCH)
+            changes[tau, i] = (float(stats["quad_model_change"]), float(stats["loss"]))
+    for i in range(2):
+        free, loss = changes[None, i]
+        assert free < -1e-3 * loss  # the limit binds: the model's minimiser predicts more
+        np.testing.assert_allclose(changes[1e-3, i][0], -1e-3 * changes[1e-3, i][1], rtol=1e-8)
+
+
+def test_a_collapse_of_rho_raises_the_damping_at_once():
+    # A fixed learning rate far too long: rho < 0 on the first step, which is not an adaptation
+    # step of the interval (5); with raise_damping_at_once the damping rises there.
+    dampings = {}
+    for at_once in (False, True):
+        opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, use_adaptive_damping=True,
+                                 use_adaptive_momentum=True, initial_damping=1e-3,
+                                 raise_damping_at_once=at_once, reject_damping_increase_factor=1.0,
+                                 max_consecutive_faults=None)
+        state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+        _, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH,
+                                   learning_rate=1e4)
+        assert bool(stats["rejected"])
+        dampings[at_once] = float(state.damping)
+    np.testing.assert_allclose(dampings[False], 1e-3, rtol=1e-12)
+    np.testing.assert_allclose(dampings[True], 1e-3 / 0.9**5, rtol=1e-6)
+
+
+def test_damping_keeps_still_when_the_change_is_below_the_loss_resolution():
+    # A batch fitted to rounding: the loss cannot show a predicted change of 1e-20, rho is 0,
+    # and raising the damping there (as kfac-jax does) ratchets it up for nothing.
+    estimator = eqx_kfac.BlockDiagonalCurvature(PROBLEM.loss_fn, (PROBLEM.params, BATCH))
+    rule = eqx_kfac.LevenbergMarquardtDamping(initial_damping=1e-3, interval=1)
+    loss = jnp.asarray(1e-9, jnp.float32)  # resolution 4·eps·|L| = 4.8e-16
+    context = eqx_kfac.StepContext(
+        jnp.zeros((), int), jnp.zeros(()), (PROBLEM.params, BATCH), loss, None, estimator,
+        estimator.init(), eqx_kfac.ImplicitExactCurvature(PROBLEM.loss_fn), "ggn_exact", 0.0,
+        None, PROBLEM.loss_fn, lambda out: out, eqx_kfac.GivenValues(),
+    )
+    state = rule.init(jnp.float64)
+    for change, expected in ((-1e-20, 1e-3), (-1e-12, 1e-3 / 0.9)):
+        outcome = eqx_kfac.StepOutcome(None, None, jnp.asarray(change, jnp.float32), loss, jnp.asarray(True),
+                                       jnp.asarray(False))
+        new_state, report = rule.update(state, state.damping, outcome, context)
+        assert float(report.rho) == 0.0
+        np.testing.assert_allclose(float(new_state.damping), expected, rtol=1e-12)
+
+
 def test_nan_batch_and_overflow_leave_kfac_optax_unchanged():
     transform = eqx_kfac.kfac_optax(PROBLEM.loss_fn, (PROBLEM.params, BATCH))
     params = eqx.filter(PROBLEM.params, eqx.is_inexact_array)

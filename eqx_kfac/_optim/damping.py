@@ -190,7 +190,10 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     damping is multiplied by `decay ** interval` when `ρ > upper`, divided by it when
     `ρ < lower` (or `ρ` is NaN). A step the guard did not apply (a rejected step, or an update
     that was not finite) then multiplies the damping by `fault_increase` at once (kfac-jax's
-    `reject_damping_increase_factor`). The result is clipped to `[minimum, maximum]`.
+    `reject_damping_increase_factor`), and with `raise_at_once` a collapse of `ρ` between the
+    intervals raises it at once. The result is clipped to `[minimum, maximum]`. A predicted
+    change below the loss's resolution (`4·eps·|L|`: a batch fitted to rounding, where `ρ` is 0
+    or NaN) leaves the damping as it is; kfac-jax raises it.
 
     **Fields:**
 
@@ -199,6 +202,10 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     - `include_damping_in_quad_change`: include the damping term in `Δq`.
     - `fault_increase`: the factor applied after a step that was not applied (`1` keeps the
       damping, as kfac-jax's default).
+    - `raise_at_once`: between the intervals, when the step computed both the loss after the
+      update (step rejection) and the model's predicted change (adaptive coefficients), a `ρ`
+      below `lower` raises the damping at once instead of at the next interval (decreases still
+      wait for the interval). kfac-jax waits.
     """
 
     initial_damping: float = eqx.field(static=True)
@@ -211,6 +218,7 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     always_exact: bool = eqx.field(static=True, default=False)
     include_damping_in_quad_change: bool = eqx.field(static=True, default=False)
     fault_increase: float = eqx.field(static=True, default=1.0)
+    raise_at_once: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         problems = []
@@ -259,14 +267,23 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
             max_damping=self.maximum,
         )
         dtype = context.loss.dtype
+        # A predicted change below the loss's resolution (a batch fitted to rounding) says
+        # nothing about the model: the loss cannot show it, and `ρ` is 0 or NaN.
+        resolution = 4 * jnp.finfo(dtype).eps * jnp.abs(context.loss)
+        new_damping = jnp.where(jnp.abs(change) > resolution, new_damping, damping)
         report = DampingReport(rho.astype(dtype), new_loss.astype(dtype), change.astype(dtype))
         return new_damping.astype(state.damping.dtype), report
 
     def update(self, state, damping, outcome, context):
         def keep():
-            return state.damping, DampingReport(
-                _nan(context), _known(outcome.new_loss, context), _known(outcome.quad_change, context)
-            )
+            known = outcome.new_loss is not None and outcome.quad_change is not None
+            if not (self.raise_at_once and known):
+                return state.damping, DampingReport(
+                    _nan(context), _known(outcome.new_loss, context), _known(outcome.quad_change, context)
+                )
+            # `ρ` is known without another evaluation: a collapse raises the damping now.
+            adapted, report = self._adapt(state, damping, outcome, context)
+            return jnp.maximum(adapted, state.damping), report
 
         due = (context.step + 1) % self.interval == 0 if not context.calibrating else True
         new_damping, report = jax.lax.cond(

@@ -29,15 +29,18 @@ KEYWORDS: Mapping[str, Mapping[str, Any]] = {
         max_damping=math.inf, damping_adaptation_interval=5, damping_adaptation_decay=0.9,
         damping_lower_threshold=0.25, damping_upper_threshold=0.75,
         always_use_exact_qmodel_for_damping_adjustment=False, reject_damping_increase_factor=2.0,
+        raise_damping_at_once=False,
     ),
     "step_rule": dict(
         use_adaptive_learning_rate=False, learning_rate_schedule=None, use_adaptive_momentum=False,
         momentum_schedule=None, include_damping_in_quad_change=False,
         adaptive_learning_rate_bounds=(0.0, 10.0), adaptive_momentum_bounds=(-0.95, 0.95),
+        max_predicted_decrease=0.5,
     ),
     "direction": dict(use_exact_inverses=False, norm_constraint=None, distributed_precon_apply=True),
     "refresh": dict(
-        num_burnin_steps=10, curvature_update_period=1, inverse_update_period=5, curvature_ema=0.95
+        num_burnin_steps=10, curvature_update_period=1, inverse_update_period=5, curvature_ema=0.95,
+        max_statistics_growth=1e3,
     ),
     "guard": dict(skip_non_finite=True, use_step_rejection=True, max_consecutive_faults=20),
 }
@@ -88,6 +91,7 @@ def _damping_rule(k: Mapping[str, Any]) -> AbstractDampingRule:
             always_exact=k["always_use_exact_qmodel_for_damping_adjustment"],
             include_damping_in_quad_change=k["include_damping_in_quad_change"],
             fault_increase=k["reject_damping_increase_factor"],
+            raise_at_once=k["raise_damping_at_once"],
         )
     if k["damping_schedule"] is not None:
         return ScheduledDamping(k["damping_schedule"])
@@ -106,6 +110,7 @@ def _step_rule(k: Mapping[str, Any]) -> AbstractStepRule:
         _source(k["use_adaptive_momentum"], k["momentum_schedule"],
                 k["adaptive_momentum_bounds"], "momentum"),
         k["include_damping_in_quad_change"],
+        k["max_predicted_decrease"],
     )
 
 
@@ -117,7 +122,7 @@ _BUILDERS: Mapping[str, Callable[[Mapping[str, Any]], Any]] = {
     ),
     "refresh": lambda k: RefreshSchedule(
         k["num_burnin_steps"], k["curvature_update_period"], k["inverse_update_period"],
-        k["curvature_ema"],
+        k["curvature_ema"], k["max_statistics_growth"],
     ),
     "guard": lambda k: StepGuard(
         k["skip_non_finite"], k["use_step_rejection"], k["max_consecutive_faults"]
@@ -130,7 +135,7 @@ _FIELD_KEYWORDS = {
     "initial_damping": "initial_damping", "interval": "damping_adaptation_interval",
     "decay": "damping_adaptation_decay", "lower": "damping_lower_threshold",
     "upper": "damping_upper_threshold", "minimum": "min_damping", "maximum": "max_damping",
-    "fault_increase": "reject_damping_increase_factor",
+    "fault_increase": "reject_damping_increase_factor", "raise_at_once": "raise_damping_at_once",
 }
 
 

@@ -108,6 +108,7 @@ def kfac_preconditioner(
     patterns_to_skip: Sequence[str] = (),
     register_only_generic: bool = False,
     auto_register_kwargs: Mapping[str, Any] | None = None,
+    max_statistics_growth: float | ArrayLike | None = 1e3,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC preconditioning as an optax transformation: `g ↦ (C + (l2_reg + damping) I)⁻¹ g`.
 
@@ -190,10 +191,13 @@ def kfac_preconditioner(
     - `on_unmatched`: what to do when a parameter falls back to a generic (diagonal) block
       because no layer accounts for it: `"warn"` (a `UserWarning` naming the parameters),
       `"error"` or `"ignore"`; see `BlockDiagonalCurvature`.
+    - `max_statistics_growth`: a batch that makes a block's statistics grow in norm by more
+      than this factor is not folded in (an outlier batch); `None` folds in every finite batch.
 
     **Faults.** A step whose gradient is not finite folds nothing into the curvature and leaves
     the cached inverses as they are; a batch whose statistics are not finite (e.g. inputs so
-    large that a second moment overflows) is not folded in either. The preconditioned gradient
+    large that a second moment overflows) or grow beyond `max_statistics_growth` (an outlier
+    batch, e.g. inputs 1e10 times their usual size) is not folded in either. The preconditioned gradient
     itself is returned as it is: wrap the chain in `eqx_kfac.skip_non_finite` (as `kfac_optax`
     does) to leave parameters and state unchanged on such a step.
 
@@ -215,23 +219,19 @@ def kfac_preconditioner(
             "kfac_preconditioner: example_args must be `(model, batch)` (or `(model, *loss_args)`), "
             f"the arguments of loss_fn; got {len(example_args)} argument(s)."
         )
-    auto = dict(auto_register_kwargs or {})
-    if register_only_generic:
-        auto["register_only_generic"] = True
-    if patterns_to_skip:
-        auto["patterns_to_skip"] = tuple(patterns_to_skip)
-    if graph_patterns is not None:
-        auto["graph_patterns"] = tuple(graph_patterns)
     preconditioner = Preconditioner(
         CurvatureOptions(
             estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
-            index_to_block_ctor=index_to_block_ctor, auto_register_kwargs=auto,
+            index_to_block_ctor=index_to_block_ctor, auto_register_kwargs=auto_register_kwargs,
             inverse_solver=inverse_solver, on_unmatched=on_unmatched,
             batch_size_extractor=batch_size_extractor,
+            graph_patterns=graph_patterns, patterns_to_skip=patterns_to_skip,
+            register_only_generic=register_only_generic,
         ),
         RefreshSchedule(
             0, _check_int("curvature_update_period", curvature_update_period),
             _check_int("inverse_update_period", inverse_update_period), curvature_ema,
+            max_statistics_growth,
         ),
         PreconditionedGradient(use_exact_inverses, norm_constraint),
     )

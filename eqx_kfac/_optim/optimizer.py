@@ -142,8 +142,11 @@ class Optimizer(eqx.Module):
         use_step_rejection: bool | None = None,
         use_initial_damping_calibration: bool = False,
         reject_damping_increase_factor: float = 2.0,
+        raise_damping_at_once: bool = False,
         adaptive_learning_rate_bounds: tuple[float, float] | None = (0.0, 10.0),
         adaptive_momentum_bounds: tuple[float, float] | None = (-0.95, 0.95),
+        max_predicted_decrease: float | None = 0.5,
+        max_statistics_growth: float | ArrayLike | None = 1e3,
         max_consecutive_faults: int | None = 20,
         curvature_update_period: int = 1,
         value_func: Callable[..., Any] | None = None,
@@ -173,12 +176,15 @@ class Optimizer(eqx.Module):
         - `value_func_has_aux`, `value_func_has_state`, `value_func_has_rng`: the forms above.
         - Learning rate and momentum: `use_adaptive_learning_rate` / `use_adaptive_momentum`
           (within `adaptive_learning_rate_bounds` / `adaptive_momentum_bounds`, `None` for
-          unbounded), `learning_rate_schedule` / `momentum_schedule`, or passed to `step`.
+          unbounded, and scaled down so that the quadratic model predicts a decrease of at most
+          `max_predicted_decrease` times the loss's magnitude, `None` for no limit),
+          `learning_rate_schedule` / `momentum_schedule`, or passed to `step`.
         - Damping: `use_adaptive_damping` (Levenberg-Marquardt from `initial_damping`, default
           `1e-2`, with `min_damping`, `max_damping`, `damping_adaptation_interval`,
           `damping_adaptation_decay`, `damping_lower_threshold`, `damping_upper_threshold`,
           `include_damping_in_quad_change`, `always_use_exact_qmodel_for_damping_adjustment`,
-          and `reject_damping_increase_factor` after a step that is not applied),
+          `reject_damping_increase_factor` after a step that is not applied, and
+          `raise_damping_at_once`: raise it on any step whose `ρ` collapses),
           `damping_schedule`, or passed to `step`.
         - The guard: `skip_non_finite`, `use_step_rejection` (default: on with adaptive damping),
           `max_consecutive_faults`.
@@ -189,7 +195,9 @@ class Optimizer(eqx.Module):
           `inverse_update_period`, `num_burnin_steps`, `use_exact_inverses`, `norm_constraint`,
           `inverse_solver`, `layer_tag_to_block_ctor`, `index_to_block_ctor`, `graph_patterns`,
           `register_only_generic`, `patterns_to_skip`, `auto_register_kwargs`, `on_unmatched`,
-          `batch_size_extractor`.
+          `batch_size_extractor`, `max_statistics_growth` (a batch that makes a block's
+          statistics grow in norm by more than this factor is not folded in: an outlier batch;
+          `None` folds in every finite batch).
         - Devices: `multi_device`, `mesh`, `pmap_axis_name`, `distributed_inverses`,
           `distributed_precon_apply`; buffers: `donate_parameters`, `donate_optimizer_state`,
           `donate_batch_inputs`, `donate_func_state`.
@@ -206,13 +214,6 @@ class Optimizer(eqx.Module):
         parts = parts_from_keywords(keywords, given)
         if mesh is not None:
             _distributed.check_mesh(mesh, pmap_axis_name)
-        auto = dict(auto_register_kwargs or {})
-        if register_only_generic:
-            auto["register_only_generic"] = True
-        if patterns_to_skip:
-            auto["patterns_to_skip"] = tuple(patterns_to_skip)
-        if graph_patterns is not None:
-            auto["graph_patterns"] = tuple(graph_patterns)
         self.function = _value_function(
             value_and_grad_func, value_func, value_func_for_estimator,
             (value_func_has_aux, value_func_has_state, value_func_has_rng), batch_process_func,
@@ -221,9 +222,11 @@ class Optimizer(eqx.Module):
         self.preconditioner = Preconditioner(
             CurvatureOptions(
                 estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
-                index_to_block_ctor=index_to_block_ctor, auto_register_kwargs=auto,
+                index_to_block_ctor=index_to_block_ctor, auto_register_kwargs=auto_register_kwargs,
                 inverse_solver=inverse_solver, on_unmatched=on_unmatched,
                 batch_size_extractor=batch_size_extractor,
+                graph_patterns=graph_patterns, patterns_to_skip=patterns_to_skip,
+                register_only_generic=register_only_generic,
             ),
             parts.refresh,
             parts.direction,

@@ -77,8 +77,19 @@ class CurvatureOptions(eqx.Module):
         inverse_solver: SolverChoice | None = None,
         on_unmatched: str = "warn",
         batch_size_extractor: Callable[[Any], Any] | None = None,
+        graph_patterns: Sequence[Any] | None = None,
+        patterns_to_skip: Sequence[str] = (),
+        register_only_generic: bool = False,
     ):
-        """**Arguments:** the fields, with mappings given as mappings."""
+        """**Arguments:** the fields, with mappings given as mappings; `graph_patterns`,
+        `patterns_to_skip` and `register_only_generic` are added to `auto_register_kwargs`."""
+        auto_register_kwargs = dict(auto_register_kwargs or {})
+        if register_only_generic:
+            auto_register_kwargs["register_only_generic"] = True
+        if patterns_to_skip:
+            auto_register_kwargs["patterns_to_skip"] = tuple(patterns_to_skip)
+        if graph_patterns is not None:
+            auto_register_kwargs["graph_patterns"] = tuple(graph_patterns)
         if estimation_mode not in ESTIMATION_MODES:
             raise ValueError(
                 f"Unknown estimation_mode {estimation_mode!r}; expected one of "
@@ -88,7 +99,7 @@ class CurvatureOptions(eqx.Module):
         self.layer_tag_to_block_ctor = _sorted_items(layer_tag_to_block_ctor)
         self.index_to_block_ctor = _sorted_items(index_to_block_ctor)
         self.auto_register_kwargs = _sorted_items(
-            {k: tuple(v) if isinstance(v, list) else v for k, v in (auto_register_kwargs or {}).items()}
+            {k: tuple(v) if isinstance(v, list) else v for k, v in auto_register_kwargs.items()}
         )
         self.inverse_solver = check_solver_choice(inverse_solver, "CurvatureOptions")
         self.on_unmatched = check_on_unmatched(on_unmatched, "CurvatureOptions")
@@ -196,7 +207,8 @@ class Preconditioner(eqx.Module):
     ) -> EstimatorState:
         """This step's curvature updates on the refresh schedule (burn-in at step 0 with
         `burnin_in_graph`, then the periodic update), skipped where `gate` is false. A batch whose
-        statistics are not finite is not folded in (`EstimatorState.dropped_updates` counts it).
+        statistics are not finite, or (in the periodic update) grow beyond the schedule's
+        `max_statistics_growth`, is not folded in (`EstimatorState.dropped_updates` counts it).
 
         **Arguments:**
 
@@ -216,9 +228,12 @@ class Preconditioner(eqx.Module):
         """
         args_of = func_args if callable(func_args) else (lambda _: func_args)
 
-        def update(s: EstimatorState, ema_old: ArrayLike, k: PRNGKeyArray) -> EstimatorState:
+        def update(
+            s: EstimatorState, ema_old: ArrayLike, k: PRNGKeyArray, max_growth: ArrayLike | None
+        ) -> EstimatorState:
             return estimator.update_curvature_matrix_estimate(
-                s, ema_old, 1.0, batch_size, k, args_of(k), axis_name=axis_name
+                s, ema_old, 1.0, batch_size, k, args_of(k), axis_name=axis_name,
+                max_statistics_growth=max_growth,
             )
 
         return self.refresh.update_curvature(state, step, gate, key, burnin_in_graph, update)

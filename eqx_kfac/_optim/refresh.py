@@ -18,7 +18,8 @@ def burnin_keys(rng: PRNGKeyArray, num: int) -> Array:
     return jax.random.split(jax.random.fold_in(rng, 1), num)
 
 
-CurvatureUpdate = Callable[[EstimatorState, ArrayLike, PRNGKeyArray], EstimatorState]
+# `update(state, ema_old, key, max_statistics_growth)`: one curvature update.
+CurvatureUpdate = Callable[[EstimatorState, ArrayLike, PRNGKeyArray, ArrayLike | None], EstimatorState]
 
 
 class AbstractRefreshSchedule(eqx.Module):
@@ -73,12 +74,17 @@ class RefreshSchedule(AbstractRefreshSchedule):
       nothing and computes the inverses in every step.
     - `curvature_ema`: the decay of the moving averages (a number, or an array such as an
       injected hyperparameter).
+    - `max_statistics_growth`: a periodic update whose batch makes a block's statistics grow in
+      norm by more than this factor is dropped (an outlier batch, e.g. inputs 1e10 times their
+      usual size, whose statistics would otherwise dominate the moving averages for hundreds of
+      steps); `None` folds in every finite batch. A number or an array, like `curvature_ema`.
     """
 
     num_burnin_steps: int = eqx.field(static=True, default=10)
     curvature_update_period: int = eqx.field(static=True, default=1)
     inverse_update_period: int = eqx.field(static=True, default=5)
     curvature_ema: float | Array = 0.95
+    max_statistics_growth: float | Array | None = 1e3
 
     def __check_init__(self):
         problems = []
@@ -96,6 +102,9 @@ class RefreshSchedule(AbstractRefreshSchedule):
             )
         if isinstance(self.curvature_ema, (int, float)) and not 0.0 <= self.curvature_ema <= 1.0:
             problems.append(f"curvature_ema must be in [0, 1], got {self.curvature_ema}")
+        growth = self.max_statistics_growth
+        if isinstance(growth, (int, float)) and not growth > 1.0:
+            problems.append(f"max_statistics_growth must be None or > 1, got {growth}")
         if problems:
             raise ValueError("RefreshSchedule: " + "; ".join(problems) + ".")
 
@@ -129,7 +138,8 @@ class RefreshSchedule(AbstractRefreshSchedule):
         - `finite`: whether the step's loss and gradient are finite (`None`: not checked).
         - `step_key`: the step's PRNG key (the periodic update's; burn-in keys derive from it).
         - `burnin_in_graph`: whether the burn-in runs inside the step (no data iterator).
-        - `update`: `update(estimator_state, ema_old, key)`, one curvature update.
+        - `update`: `update(estimator_state, ema_old, key, max_statistics_growth)`, one curvature
+          update (the burn-in's take every finite batch).
 
         **Returns:**
 
@@ -140,14 +150,14 @@ class RefreshSchedule(AbstractRefreshSchedule):
 
             def burnin(state):
                 return jax.lax.fori_loop(
-                    0, self.num_burnin_steps, lambda i, s: update(s, 1.0, keys[i]), state
+                    0, self.num_burnin_steps, lambda i, s: update(s, 1.0, keys[i], None), state
                 )
 
             first = step == 0 if finite is None else (step == 0) & finite
             estimator_state = apply_if(first, burnin, estimator_state)
 
         def periodic_update(state):
-            return update(state, self.curvature_ema, step_key)
+            return update(state, self.curvature_ema, step_key, self.max_statistics_growth)
 
         if self.curvature_update_period == 1:
             return select_changed(finite, periodic_update(estimator_state), estimator_state)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ..._core.tree import all_finite
 from ..blocks.base import CurvatureBlock, PowersLike
@@ -112,11 +112,23 @@ class EstimatorState(eqx.Module):
 
     - `block_states`: the blocks' states, in the order of the estimator's `blocks`.
     - `dropped_updates`: how many batches were not folded in because their statistics were not
-      finite (e.g. inputs so large that a second moment overflows).
+      finite (e.g. inputs so large that a second moment overflows) or grew beyond the update's
+      `max_statistics_growth` (an outlier batch).
     """
 
     block_states: tuple[eqx.Module, ...]
     dropped_updates: Int[Array, ""]
+
+
+def _grows_beyond(pairs: Sequence[tuple[Array, Array]], factor: ArrayLike) -> Bool[Array, ""]:
+    """Whether any new statistic's norm exceeds `factor` times its old, non-zero norm (an outlier
+    batch: e.g. inputs 1e10 times their usual size give factors 1e20 times their average)."""
+    grows = jnp.zeros((), bool)
+    for new, old in pairs:
+        old_sq = jnp.sum(jnp.square(old.astype(jnp.float32)))
+        new_sq = jnp.sum(jnp.square(new.astype(jnp.float32)))
+        grows |= (old_sq > 0) & (new_sq > factor**2 * old_sq)
+    return grows
 
 
 def _per_block(value: Any, num_blocks: int, name: str) -> tuple[Any, ...]:
@@ -265,6 +277,7 @@ class AbstractCurvatureEstimator(eqx.Module):
         estimation_mode: str | None = None,
         *,
         axis_name: Hashable | None = None,
+        max_statistics_growth: ArrayLike | None = None,
     ) -> EstimatorState:
         """Folds the curvature of one batch into the moving averages of every block.
 
@@ -280,6 +293,10 @@ class AbstractCurvatureEstimator(eqx.Module):
         - `axis_name`: inside `shard_map`/`pmap` over a batch split across devices, the mapped
           axis name: the new statistics are averaged over it, so every device ends with the
           statistics of the whole batch (`batch_size` is then the per-device batch size).
+        - `max_statistics_growth`: drop the batch (keep every block's statistics, count it in
+          `dropped_updates`) when it makes a block's statistics grow in norm by more than this
+          factor: an outlier batch. `None` never drops a finite batch. A batch whose statistics
+          are not finite is always dropped.
 
         **Returns:**
 
@@ -287,14 +304,19 @@ class AbstractCurvatureEstimator(eqx.Module):
         """
 
     def _updated_state(
-        self, state: EstimatorState, new_states: Sequence[eqx.Module], axis_name: Hashable | None
+        self,
+        state: EstimatorState,
+        new_states: Sequence[eqx.Module],
+        axis_name: Hashable | None,
+        max_growth: ArrayLike | None,
     ) -> EstimatorState:
         """The one place where updated statistics are combined over devices and checked.
 
         The old state is replicated, so averaging the updated moving averages over devices is
         the same as averaging the new statistics: `ema_old·s + ema_new·mean_d(x_d)`. A batch whose
-        statistics are not finite (on any device) is dropped: every block keeps its previous
-        statistics, and `dropped_updates` counts it.
+        statistics are not finite (on any device), or (with `max_growth`) make a block's
+        statistics grow by more than `max_growth` in norm, is dropped: every block keeps its
+        previous statistics, and `dropped_updates` counts it.
         """
         old, treedef = jax.tree.flatten(state.block_states)
         new = treedef.flatten_up_to(tuple(new_states))
@@ -304,11 +326,14 @@ class AbstractCurvatureEstimator(eqx.Module):
                 jax.lax.pmean(n, axis_name) if c and eqx.is_inexact_array(n) else n
                 for n, c in zip(new, changed)
             ]
-        finite = all_finite([n for n, c in zip(new, changed) if c])
-        leaves = [jnp.where(finite, n, o) if c else o for n, o, c in zip(new, old, changed)]
+        pairs = [(n, o) for n, o, c in zip(new, old, changed) if c]
+        keep = all_finite([n for n, _ in pairs])
+        if max_growth is not None:
+            keep &= ~_grows_beyond([(n, o) for n, o in pairs if eqx.is_inexact_array(n)], max_growth)
+        leaves = [jnp.where(keep, n, o) if c else o for n, o, c in zip(new, old, changed)]
         return EstimatorState(
             block_states=jax.tree.unflatten(treedef, leaves),
-            dropped_updates=state.dropped_updates + (~finite).astype(jnp.int32),
+            dropped_updates=state.dropped_updates + (~keep).astype(jnp.int32),
         )
 
     def update_cache(

@@ -284,6 +284,7 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
         estimation_mode: str | None = None,
         *,
         axis_name: Hashable | None = None,
+        max_statistics_growth: ArrayLike | None = None,
     ) -> EstimatorState:
         """Folds the curvature of one batch into every block's moving averages.
 
@@ -303,6 +304,9 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
         - `estimation_mode`: one of the estimation modes; `None` uses `default_estimation_mode`.
         - `axis_name`: inside `shard_map`/`pmap` over a batch split across devices, the mapped axis
           name: the new statistics are averaged over it (`batch_size` is then per device).
+        - `max_statistics_growth`: drop a batch that makes a block's statistics grow in norm by
+          more than this factor (an outlier batch; `None`: never). A batch whose statistics are
+          not finite is always dropped. Dropped batches are counted in `dropped_updates`.
 
         **Returns:**
 
@@ -336,4 +340,4 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
                     block_state, data, ema_old, ema_new, batch_size
                 )
             )
-        return self._updated_state(state, new_states, axis_name)
+        return self._updated_state(state, new_states, axis_name, max_statistics_growth)
