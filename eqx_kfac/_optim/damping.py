@@ -191,9 +191,10 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     `ρ < lower` (or `ρ` is NaN). A step the guard did not apply (a rejected step, or an update
     that was not finite) then multiplies the damping by `fault_increase` at once (kfac-jax's
     `reject_damping_increase_factor`), and with `raise_at_once` a collapse of `ρ` between the
-    intervals raises it at once. The result is clipped to `[minimum, maximum]`. A predicted
-    change below the loss's resolution (`4·eps·|L|`: a batch fitted to rounding, where `ρ` is 0
-    or NaN) leaves the damping as it is; kfac-jax raises it.
+    intervals raises it at once. The result is clipped to `[minimum, maximum]`. A step the loss
+    cannot resolve (a predicted change below `4·eps·|L|`, or a loss that did not change at all:
+    a batch fitted to rounding, where `ρ` is 0 or NaN) leaves the damping as it is; kfac-jax
+    raises it.
 
     **Fields:**
 
@@ -270,7 +271,8 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
         # A predicted change below the loss's resolution (a batch fitted to rounding) says
         # nothing about the model: the loss cannot show it, and `ρ` is 0 or NaN.
         resolution = 4 * jnp.finfo(dtype).eps * jnp.abs(context.loss)
-        new_damping = jnp.where(jnp.abs(change) > resolution, new_damping, damping)
+        resolved = (jnp.abs(change) > resolution) & (new_loss != context.loss)
+        new_damping = jnp.where(resolved, new_damping, damping)
         report = DampingReport(rho.astype(dtype), new_loss.astype(dtype), change.astype(dtype))
         return new_damping.astype(state.damping.dtype), report
 
