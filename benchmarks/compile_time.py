@@ -35,11 +35,8 @@ import jax
 import jax.numpy as jnp
 
 import eqx_kfac
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import model_zoo as zoo  # noqa: E402
-from model_zoo.training import make_optimizer  # noqa: E402
+from benchmarks import model_zoo as zoo, step_time
+from benchmarks.harness import Problem, full_batch, make_optimizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,20 +61,18 @@ def compile_seconds(fn: Callable[..., Any], *args: Any) -> tuple[float, float]:
     return lower, compile_
 
 
-def _autoencoder_problem() -> tuple[zoo.ZooProblem, dict[str, Any]]:
+def _autoencoder_problem() -> tuple[Problem, dict[str, Any]]:
     """The autoencoder of `step_time.py` (and of kfac-jax's twin), with the same settings."""
-    import step_time
-
     model, x = step_time.make_problem(step_time.AUTOENCODER, 512)
     optimizer, _ = step_time.make_kfac(adaptive=True)
     options = dict(
         l2_reg=optimizer.l2_reg, estimation_mode="ggn_curvature_prop", num_burnin_steps=0,
         value_func_for_estimator=step_time.data_loss,
     )
-    return zoo.ZooProblem("autoencoder", model, step_time.loss, lambda m, s, k, p: x, batch_size=512), options
+    return full_batch("autoencoder", model, step_time.loss, x), options
 
 
-def _problem(name: str) -> tuple[zoo.ZooProblem, dict[str, Any]]:
+def _problem(name: str) -> tuple[Problem, dict[str, Any]]:
     key = jax.random.key(0)
     if name == "autoencoder":
         return _autoencoder_problem()

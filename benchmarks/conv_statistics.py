@@ -27,7 +27,6 @@ preconditioning with cached inverses (`multiply_matpower(-1)`) and their cache r
 import argparse
 import functools
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -37,10 +36,7 @@ import jax.numpy as jnp
 import optax
 
 import eqx_kfac
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from model_zoo import resnet  # noqa: E402
+from benchmarks.model_zoo import resnet
 
 # (batch, channels, spatial, kernel, stride, padding, layout)
 SHAPES = (

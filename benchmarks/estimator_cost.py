@@ -18,20 +18,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_kfac._curvature.estimators import BlockDiagonalCurvature
-from eqx_kfac._tracing.losses import register_sigmoid_cross_entropy_loss
-
-from _tanh_mlp import TanhMLP
+from eqx_kfac import BlockDiagonalCurvature
+from benchmarks.model_zoo.tanh_mlp import TanhMLP, autoencoder_data_loss as loss_fn
 
 
 AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
-
-
-def loss_fn(model, x):
-    logits = jax.vmap(model)(x)
-    register_sigmoid_cross_entropy_loss(logits, x)
-    per_example = jnp.sum(jax.nn.softplus(logits) - x * logits, axis=-1)
-    return jnp.mean(per_example)
 
 
 def block_until_ready(tree):

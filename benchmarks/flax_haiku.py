@@ -14,14 +14,12 @@ written in Flax Linen and in Flax NNX, is trained on scikit-learn's digits by
 
 The parameters are the Flax parameter trees themselves (Linen's `params` dict, NNX's `nnx.State`);
 every method starts from the same ones and sees the same batches (the gallery's training loop,
-`model_zoo.training.train`). The final loss is the mean training loss of the last 10 steps. The
+`benchmarks.harness.train`). The final loss is the mean training loss of the last 10 steps. The
 registration summary says how many parameters fell back to a generic (diagonal) block (zero: every
 Flax layer is matched).
 """
 
 import argparse
-import os
-import sys
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -29,12 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from model_zoo import ZooProblem  # noqa: E402
-from model_zoo._problem import cross_entropy, digit_batches  # noqa: E402
-from model_zoo.training import train  # noqa: E402
-from zoo import best, registration_summary  # noqa: E402
+from benchmarks.harness import Method, Problem, best, digit_batches, registration_summary, train
+from benchmarks.model_zoo.losses import cross_entropy
 
 ADAM_GRID = (1e-3, 3e-3)
 
@@ -67,7 +61,7 @@ def _images(pixels):
     return pixels.reshape(-1, 8, 8, 1)
 
 
-def linen_problem(seed: int) -> ZooProblem:
+def linen_problem(seed: int) -> Problem:
     """The Linen CNN: its parameters are `variables["params"]`."""
     model = LinenCNN()
     params = model.init(jax.random.key(seed), jnp.zeros((1, 8, 8, 1)))["params"]
@@ -76,10 +70,10 @@ def linen_problem(seed: int) -> ZooProblem:
         images, labels = batch
         return cross_entropy(model.apply({"params": params}, images), labels)
 
-    return ZooProblem("linen_cnn", params, loss, digit_batches(128, _images))
+    return Problem("linen_cnn", params, loss, digit_batches(128, _images))
 
 
-def nnx_problem(seed: int) -> ZooProblem:
+def nnx_problem(seed: int) -> Problem:
     """The NNX CNN: its parameters are the `nnx.State` of `nnx.split`."""
     graphdef, params = nnx.split(NNXCNN(nnx.Rngs(seed)))
 
@@ -87,15 +81,15 @@ def nnx_problem(seed: int) -> ZooProblem:
         images, labels = batch
         return cross_entropy(nnx.merge(graphdef, params)(images), labels)
 
-    return ZooProblem("nnx_cnn", params, loss, digit_batches(128, _images))
+    return Problem("nnx_cnn", params, loss, digit_batches(128, _images))
 
 
-def run(problem: ZooProblem, steps: int, seed: int) -> dict:
+def run(problem: Problem, steps: int, seed: int) -> dict:
     """Adam (best of the grid), `Optimizer` and `kfac_optax` on one problem."""
     blocks, generic = registration_summary(problem)
-    adam = best([train(problem, "adam", steps, lr, seed=seed) for lr in ADAM_GRID])
-    kfac = train(problem, "kfac", steps, seed=seed)
-    recipe = train(problem, "recipe", steps, 0.1, seed=seed)
+    adam = best([train(problem, Method("adam", lr), steps, seed) for lr in ADAM_GRID])
+    kfac = train(problem, Method("kfac"), steps, seed)
+    recipe = train(problem, Method("recipe", 0.1), steps, seed)
     return dict(name=problem.name, seed=seed, blocks=blocks, generic=generic, adam=adam, kfac=kfac, recipe=recipe)
 
 

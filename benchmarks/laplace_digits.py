@@ -17,65 +17,41 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from sklearn.datasets import load_digits
 
 import eqx_kfac
-from eqx_kfac._curvature.kfac_operator import kfac_linear_operator
+from benchmarks.harness import Method, digits, full_batch, train
+from benchmarks.model_zoo.losses import cross_entropy
+from benchmarks.model_zoo.tanh_mlp import TanhMLP, l2_penalty
 
 
 SIZES = (64, 64, 10)
 NUM_SAMPLES = 200
-
-
-class MLP(eqx.Module):
-    layers: tuple[eqx.nn.Linear, ...]
-
-    def __init__(self, key):
-        keys = jax.random.split(key, len(SIZES) - 1)
-        self.layers = tuple(eqx.nn.Linear(a, b, key=k) for a, b, k in zip(SIZES[:-1], SIZES[1:], keys))
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = jnp.tanh(layer(x))
-        return self.layers[-1](x)
+WEIGHT_DECAY = 1e-3
 
 
 def data_loss(model, batch):
     """Mean softmax cross-entropy, registered for K-FAC (an identity at run time)."""
     x, y = batch
-    logits = jax.vmap(model)(x)
-    eqx_kfac.register_softmax_cross_entropy_loss(logits, y)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+    return cross_entropy(jax.vmap(model)(x), y)
+
+
+def objective(model, batch):
+    """The trained objective: `data_loss` plus the weight decay."""
+    return data_loss(model, batch) + l2_penalty(model, WEIGHT_DECAY)
 
 
 def load():
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int32)
+    """1,200 training digits and the other 597 as the test set (a fixed shuffle)."""
+    x, y = (np.asarray(a) for a in digits(jnp.float32))
     order = np.random.default_rng(0).permutation(len(x))
     x, y = x[order], y[order]
     return (x[:1200], y[:1200]), (x[1200:], y[1200:])
 
 
-def train(train_set, key, steps=2000, weight_decay=1e-3):
-    model = MLP(key)
-    tx = optax.adam(3e-3)
-    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
-
-    @eqx.filter_jit
-    def step(model, opt_state):
-        def objective(m):
-            leaves = jax.tree.leaves(eqx.filter(m, eqx.is_inexact_array))
-            return data_loss(m, train_set) + 0.5 * weight_decay * sum(jnp.sum(p**2) for p in leaves)
-
-        grads = eqx.filter_grad(objective)(model)
-        updates, opt_state = tx.update(grads, opt_state)
-        return eqx.apply_updates(model, updates), opt_state
-
-    for _ in range(steps):
-        model, opt_state = step(model, opt_state)
-    return model
+def fit(train_set, key, steps=2000):
+    """The MAP network: Adam (3e-3) on the whole training set."""
+    problem = full_batch("laplace_digits", TanhMLP(SIZES, key), objective, train_set)
+    return train(problem, Method("adam", 3e-3), steps, keep_final=True).model
 
 
 def metrics(probs, labels, bins=10):
@@ -98,10 +74,10 @@ def entropy(probs):
 
 def main():
     train_set, (x_test, y_test) = load()
-    model = train(train_set, jax.random.key(0))
+    model = fit(train_set, jax.random.key(0))
     num_data = len(train_set[0])
     batches = [tuple(a[i : i + 300] for a in train_set) for i in range(0, num_data, 300)]
-    ggn = kfac_linear_operator(data_loss, model, batches, fisher_type="type-2")
+    ggn = eqx_kfac.kfac_linear_operator(data_loss, model, batches, fisher_type="type-2")
     # The GGN of the summed training loss; the posterior precision adds the prior precision.
     likelihood = ggn.scaled(num_data)
     params = eqx.filter(model, eqx.is_inexact_array)

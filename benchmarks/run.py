@@ -2,9 +2,9 @@
 
     pip install -e ".[dev]" && python benchmarks/run.py
 
-Problems (see `_problems.py`): an MLP classifier 64-128-128-10 (softmax cross-entropy) and a deep
-autoencoder 64-256-128-64-16-64-128-256-64 (sigmoid cross-entropy on the [0, 1] pixels), both tanh,
-full batch (1,797 images), with `1e-5 / 2 * |θ|²` added to the loss.
+Problems (`benchmarks/model_zoo/tanh_mlp.py`): an MLP classifier 64-128-128-10 (softmax
+cross-entropy) and a deep autoencoder 64-256-128-64-16-64-128-256-64 (sigmoid cross-entropy on the
+[0, 1] pixels), both tanh, full batch (1,797 images), with `1e-5 / 2 * |θ|²` added to the loss.
 
 Optimizers:
 - Adam: every learning rate of a small grid for `--steps-adam` steps; the best final loss is the
@@ -13,11 +13,12 @@ Optimizers:
 - K-FAC (`eqx_kfac.Optimizer`): adaptive learning rate, momentum and damping (initial damping
   1.0), `--kfac-estimation-mode` curvature, at most `--steps-kfac` steps.
 
-Every step is compiled once (compile time reported separately) and timed until its loss is
-ready. The table gives, per run, the final loss, the steps and seconds (compiled steps only) to
-reach Adam's best final loss, that time as a fraction of the best Adam run's total time, the same
-fraction counted from the first call (compilation included), and the total time; plots of loss
-against steps and against seconds go to `--out`.
+The runs of a grid advance one step each in turn (`benchmarks.harness.run_round`). Every step is
+compiled once (the first call, timed on its own) and timed until its loss is ready. The table
+gives, per run, the final loss, the steps and seconds (compiled steps only) to reach Adam's best
+final loss, that time as a fraction of the best Adam run's total time, the same fraction counted
+from the first call (compilation included), and the total time; plots of loss against steps and
+against seconds go to `--out`.
 """
 
 import argparse
@@ -25,9 +26,23 @@ import os
 import sys
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqx_kfac
+from benchmarks.harness import Method, best, run_round, train
+from benchmarks.model_zoo import tanh_mlp
 
 PROBLEMS = ("classifier", "autoencoder")
 OPTIMIZERS = ("adam", "sgd", "kfac")
+# The learning rates of the first-order baselines: each grid brackets the best rate (one step
+# larger is unstable or no better, see docs/benchmarks.md).
+GRIDS = {
+    "classifier": {"adam": (3e-4, 1e-3, 3e-3, 1e-2), "sgd": (1e-1, 3e-1)},
+    "autoencoder": {"adam": (3e-4, 1e-3, 3e-3, 1e-2), "sgd": (1e-2, 3e-2)},
+}
+DENSE_BLOCKS = {"kfac": eqx_kfac.DenseTwoKroneckerFactored, "ekfac": eqx_kfac.DenseEigenbasisKFAC}
 ESTIMATION_MODES = (
     "fisher_gradients",
     "fisher_empirical",
@@ -80,19 +95,19 @@ def table(runs: list, adam: dict) -> str:
 
     **Arguments:**
 
-    - `runs`: the runs to list.
+    - `runs`: the runs to list (`benchmarks.harness.Run`s).
     - `adam`: `(problem, seed) -> ` the best Adam run (absent without Adam).
 
     **Returns:**
 
-    The table as text. "x Adam" is the time to reach Adam's best final loss divided by the best
-    Adam run's total time, compiled steps only; "x Adam (medians)" estimates the same ratio from
-    median step times (steps to reach x median step time, over Adam's steps x Adam's median step
-    time), which a machine shared with other work disturbs less; "x Adam from first call" counts
-    both times from the first call, compilation included (`Run.elapsed_from_first_call`).
+    The table as text. A run's losses are the objective before each step, its final loss the last
+    of them. "s to Adam's best" counts compiled steps only (the first at the median step time);
+    "x Adam" divides it by the best Adam run's compiled steps; "x Adam (medians)" estimates the
+    same ratio from median step times (steps to reach x median step time, over Adam's steps x
+    Adam's median step time), which a machine shared with other work disturbs less; "x Adam from
+    first call" counts both times from the first call, compilation included; "compile s" is the
+    first call (building the optimizer, tracing, compiling and running the first step).
     """
-    import numpy as np
-
     header = (
         "| problem | seed | optimizer | final loss | steps to Adam's best | s to Adam's best "
         "| x Adam | x Adam (medians) | x Adam from first call | total s | ms/step (median) "
@@ -101,23 +116,20 @@ def table(runs: list, adam: dict) -> str:
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for run in runs:
         best = adam.get((run.problem, run.seed))
-        reached = None if best is None else run.first_reaching(best.final_loss)
+        reach = None if best is None else run.reach(best.final_loss(1), window=1)
         seconds = ratio = median_ratio = first_call_ratio = None
-        if reached is not None:
-            seconds = float(run.elapsed[reached])
-            ratio = seconds / float(best.elapsed[-1])
-            median_ratio = (reached * float(np.median(run.times))) / (
-                len(best.times) * float(np.median(best.times))
+        if reach is not None:
+            seconds = reach.compiled
+            ratio = seconds / best.compiled
+            median_ratio = (reach.steps * float(np.median(run.times))) / (
+                len(best.losses) * float(np.median(best.times))
             )
-            first_call_ratio = float(run.elapsed_from_first_call[reached]) / float(
-                best.elapsed_from_first_call[-1]
-            )
+            first_call_ratio = reach.wall / best.wall
         lines.append(
-            f"| {run.problem} | {run.seed} | {run.label} | {_fmt(run.final_loss, '.4f')} "
-            f"| {_fmt(reached, 'd')} | {_fmt(seconds, '.2f')} | {_fmt(ratio, '.3f')} "
-            f"| {_fmt(median_ratio, '.3f')} | {_fmt(first_call_ratio, '.3f')} "
-            f"| {run.elapsed[-1]:.2f} "
-            f"| {1e3 * float(np.median(run.times)):.2f} | {run.compile_time:.1f} |"
+            f"| {run.problem} | {run.seed} | {run.label} | {_fmt(run.final_loss(1), '.4f')} "
+            f"| {_fmt(None if reach is None else reach.steps, 'd')} | {_fmt(seconds, '.2f')} "
+            f"| {_fmt(ratio, '.3f')} | {_fmt(median_ratio, '.3f')} | {_fmt(first_call_ratio, '.3f')} "
+            f"| {run.compiled:.2f} | {run.ms_per_step:.2f} | {run.first_call.total:.1f} |"
         )
     return "\n".join(lines)
 
@@ -146,11 +158,11 @@ def plot(problem: str, runs: list, best: list, target: float | None, out: str) -
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for run in runs:
         is_best = any(run is b for b in best)
-        style = dict(color=colors[run.optimizer], lw=1.6 if is_best else 0.8,
+        style = dict(color=colors[run.method], lw=1.6 if is_best else 0.8,
                      alpha=1.0 if is_best else 0.25,
                      label=run.label if is_best and run.seed == 0 else None)
         axes[0].plot(range(len(run.losses)), run.losses, **style)
-        axes[1].plot(run.elapsed, run.losses, **style)
+        axes[1].plot(run.compiled_elapsed(), run.losses, **style)
     for ax, xlabel in zip(axes, ("step", "seconds (compiled steps)")):
         if target is not None:
             ax.axhline(target, color="gray", ls="--", lw=0.8, label="Adam's best final loss")
@@ -167,55 +179,60 @@ def plot(problem: str, runs: list, best: list, target: float | None, out: str) -
     return path
 
 
-def best_run(runs: list) -> object | None:
-    """The run with the lowest finite final loss, or `None` if all diverged."""
-    import numpy as np
+def kfac_method(args: argparse.Namespace) -> Method:
+    """K-FAC with the main job's settings (kfac-jax's usual ones) and the command line's choices."""
+    return Method("kfac", options=dict(
+        l2_reg=tanh_mlp.L2_REG,
+        initial_damping=1.0,
+        estimation_mode=args.kfac_estimation_mode,
+        curvature_ema=0.95,
+        inverse_update_period=5,
+        damping_adaptation_interval=5,
+        num_burnin_steps=args.kfac_burnin,
+        layer_tag_to_block_ctor={"dense": DENSE_BLOCKS[args.kfac_dense_block]},
+    ))
 
-    finite = [r for r in runs if np.isfinite(r.final_loss)]
-    return min(finite, key=lambda r: r.final_loss) if finite else None
+
+def grid_runs(problem, optimizer: str, seed: int, steps: int) -> list:
+    """The runs of one first-order optimizer's learning-rate grid, side by side."""
+    options = {"momentum": 0.9} if optimizer == "sgd" else {}
+    methods = [Method(optimizer, lr, options) for lr in GRIDS[problem.name][optimizer]]
+    return run_round(problem, methods, steps, seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    import jax
-
     if args.float64:
         jax.config.update("jax_enable_x64", True)
-    import jax.numpy as jnp
-
-    from _problems import make_problems
-    from _training import train_kfac, train_optax
-
-    problems = make_problems(jnp.float64 if args.float64 else jnp.float32)
-    listed = []
-    adam, plots = {}, []
+    dtype = jnp.float64 if args.float64 else jnp.float32
+    listed, adam, plots = [], {}, []
     for name in args.problems:
-        problem = problems[name]
         problem_runs, problem_best = [], []
         for seed in range(args.seeds):
-            best = {}
-            for optimizer, lrs in (("adam", problem.adam_lrs), ("sgd", problem.sgd_lrs)):
+            problem = tanh_mlp.problem(name, jax.random.key(seed), dtype)
+            chosen = {}
+            for optimizer in ("adam", "sgd"):
                 if optimizer not in args.optimizers:
                     continue
-                grid = [train_optax(problem, optimizer, lr, seed, args.steps_adam) for lr in lrs]
+                grid = grid_runs(problem, optimizer, seed, args.steps_adam)
                 problem_runs += grid
-                best[optimizer] = best_run(grid)
+                winner = best(grid, window=1)
+                if np.isfinite(winner.final_loss(1)):
+                    chosen[optimizer] = winner
                 print(f"{name} seed {seed} {optimizer}: final loss per lr: "
-                      + ", ".join(f"{r.learning_rate:g}: {r.final_loss:.4f}" for r in grid))
-            if best.get("adam") is not None:
-                adam[(name, seed)] = best["adam"]
-            target = adam[(name, seed)].final_loss if (name, seed) in adam else None
+                      + ", ".join(f"{r.learning_rate:g}: {r.final_loss(1):.4f}" for r in grid))
+            if "adam" in chosen:
+                adam[(name, seed)] = chosen["adam"]
             if "kfac" in args.optimizers:
-                best["kfac"] = train_kfac(
-                    problem, seed, args.steps_kfac, args.kfac_estimation_mode, args.kfac_burnin,
-                    target if args.kfac_stop_at_target else None, args.kfac_dense_block,
-                )
-                problem_runs.append(best["kfac"])
-            chosen = [best[o] for o in OPTIMIZERS if best.get(o) is not None]
-            listed += chosen
-            problem_best += chosen
+                target = adam[(name, seed)].final_loss(1) if (name, seed) in adam else None
+                stop_below = target if args.kfac_stop_at_target else None
+                chosen["kfac"] = train(problem, kfac_method(args), args.steps_kfac, seed, stop_below=stop_below)
+                problem_runs.append(chosen["kfac"])
+            ordered = [chosen[o] for o in OPTIMIZERS if o in chosen]
+            listed += ordered
+            problem_best += ordered
         if not args.no_plots and problem_runs:
-            target = adam[(name, 0)].final_loss if (name, 0) in adam else None
+            target = adam[(name, 0)].final_loss(1) if (name, 0) in adam else None
             plots.append(plot(name, problem_runs, problem_best, target, args.out))
 
     print()

@@ -27,8 +27,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
-import model_zoo
-from model_zoo.training import ZooRun, train
+from benchmarks import model_zoo
+from benchmarks.harness import Method, Problem, Run, digits, train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORMS = ("kfac", "recipe")
@@ -38,7 +38,7 @@ FAULTS = {300: 1e10, 600: 1e30}
 RECIPE_RATE = 0.1
 
 
-def make_problem(model: str, seed: int) -> model_zoo.ZooProblem:
+def make_problem(model: str, seed: int) -> Problem:
     """The model's problem for a seed: initial parameters and batch order from the seed."""
     key = jax.random.key(seed)
     if model == "mlp":
@@ -79,13 +79,13 @@ class Outcome:
         )
 
 
-def _full_loss(problem: model_zoo.ZooProblem, model: Any) -> float:
-    images, labels = model_zoo.digits()
+def _full_loss(problem: Problem, model: Any) -> float:
+    images, labels = digits()
     inputs = images.reshape(-1, 1, 8, 8) if problem.name == "cnn" else images
     return float(eqx.filter_jit(problem.loss)(model, (inputs, labels)))
 
 
-def outcome(run: ZooRun, problem: model_zoo.ZooProblem, seed: int, faults: bool, state_finite: bool) -> Outcome:
+def outcome(run: Run, problem: Problem, seed: int, faults: bool, state_finite: bool) -> Outcome:
     """The `Outcome` of a finished run."""
     losses = run.losses
     injected = [t for t in FAULTS if faults and t < len(losses)]
@@ -110,8 +110,8 @@ def run_one(model: str, form: str, seed: int, steps: int, faults: bool, learning
     """Trains one form on one model and seed, and returns its `Outcome`."""
     problem = make_problem(model, seed)
     run = train(
-        problem, form, steps, learning_rate=learning_rate, seed=seed,
-        perturb=_inject if faults else None, stop_at_nonfinite=False,
+        problem, Method(form, learning_rate), steps, seed,
+        perturb=_inject if faults else None, stop_at_nonfinite=False, keep_final=True,
     )
     leaves = [x for x in jax.tree.leaves(run.state) if eqx.is_inexact_array(x)]
     finite = all(bool(np.all(np.isfinite(x))) for x in leaves)

@@ -48,6 +48,12 @@ import jax.numpy as jnp
 import optax
 
 import eqx_kfac
+from benchmarks.model_zoo.tanh_mlp import (
+    L2_REG,
+    TanhMLP,
+    autoencoder_data_loss as data_loss,
+    autoencoder_loss as loss,
+)
 
 try:
     import resource
@@ -56,38 +62,11 @@ except ImportError:  # Windows has no `resource`: no page-fault counts
 
 
 AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
-L2_REG = 1e-5
 PEER_SCRIPT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "tests", "reference", "kfac_jax_step_time.py"
 )
 METHODS = ("adam", "adam_donated", "kfac_adaptive", "kfac_fixed")
 PEER_METHODS = ("adam", "kfac_adaptive", "kfac_fixed")
-
-
-class Autoencoder(eqx.Module):
-    layers: tuple[eqx.nn.Linear, ...]
-
-    def __init__(self, sizes, key):
-        keys = jax.random.split(key, len(sizes) - 1)
-        self.layers = tuple(
-            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)
-        )
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = jnp.tanh(layer(x))
-        return self.layers[-1](x)
-
-
-def data_loss(model, batch):
-    logits = jax.vmap(model)(batch)
-    eqx_kfac.register_sigmoid_cross_entropy_loss(logits, batch)
-    return jnp.mean(jnp.sum(jax.nn.softplus(logits) - batch * logits, axis=-1))
-
-
-def loss(model, batch):
-    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
-    return data_loss(model, batch) + 0.5 * L2_REG * sum(jnp.sum(p**2) for p in leaves)
 
 
 def _copy(tree):
@@ -96,7 +75,7 @@ def _copy(tree):
 
 
 def make_problem(sizes, batch_size):
-    model = Autoencoder(sizes, jax.random.PRNGKey(0))
+    model = TanhMLP(sizes, jax.random.PRNGKey(0))
     x = (jax.random.uniform(jax.random.PRNGKey(1), (batch_size, sizes[0])) > 0.5)
     return model, x.astype(jnp.float32)
 

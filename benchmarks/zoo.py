@@ -3,6 +3,8 @@
     python benchmarks/zoo.py                       # every model, 200 steps
     python benchmarks/zoo.py --quick               # fewer steps and smaller grids
     python benchmarks/zoo.py --models cnn gru --plot docs/img/zoo.png
+    python benchmarks/zoo.py --steps 30 --batch-size 32 --models cnn resnet mlp_norm_dropout \
+        transformer gru lstm scan_mlp frozen_part    # tests/test_zoo_training.py's long version
 
 The models are those of `benchmarks/model_zoo` (the tests use them too). For each model:
 
@@ -21,51 +23,27 @@ carries over between machines.
 """
 
 import argparse
-import collections
-import os
-import sys
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
-import eqx_kfac
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import model_zoo  # noqa: E402
-from model_zoo.training import ZooRun, train  # noqa: E402
+from benchmarks import model_zoo
+from benchmarks.harness import Method, best, registration_summary, train
 
 ADAM_GRID = (1e-3, 3e-3, 1e-2)
 RECIPE_GRID = (0.03, 0.1, 0.3)
 
 
-def registration_summary(problem: model_zoo.ZooProblem) -> tuple[str, int]:
-    """`("3 DenseTwoKroneckerFactored, 2 ScaleAndShiftDiagonal", parameters in generic blocks)`."""
-    batch = problem.next_batch(problem.model, 0, jax.random.key(0), None)
-    args = (problem.model,)
-    args += (problem.func_state,) if problem.has_state else ()
-    args += (jax.random.key(0),) if problem.has_rng else ()
-    estimator = eqx_kfac.BlockDiagonalCurvature(problem.loss, (*args, batch), on_unmatched="ignore")
-    kinds = collections.Counter(type(b).__name__ for b in estimator.blocks)
-    generic = sum(
-        int(np.prod(s)) for b in estimator.blocks if b.spec.tag == "generic" for s in b.param_shapes
-    )
-    return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())), generic
-
-
-def best(runs: Sequence[ZooRun]) -> ZooRun:
-    """The run with the lowest final loss (a diverged run never wins)."""
-    return min(runs, key=lambda r: (not np.isfinite(r.final_loss()), r.final_loss()))
-
-
-def run_model(name: str, steps: int, adam_grid: Sequence[float], recipe_grid: Sequence[float]) -> dict:
+def run_model(
+    name: str, steps: int, adam_grid: Sequence[float], recipe_grid: Sequence[float], batch_size: int | None = None
+) -> dict:
     """All runs of one model: the registration summary and the best run of each method."""
-    problem = model_zoo.PROBLEMS[name](jax.random.key(0))
+    sizes = {} if batch_size is None else {"batch_size": batch_size}
+    problem = model_zoo.PROBLEMS[name](jax.random.key(0), **sizes)
     blocks, generic = registration_summary(problem)
-    adam = best([train(problem, "adam", steps, lr) for lr in adam_grid])
-    kfac = train(problem, "kfac", steps)
-    recipe = best([train(problem, "recipe", steps, lr) for lr in recipe_grid])
+    adam = best([train(problem, Method("adam", lr), steps) for lr in adam_grid])
+    kfac = train(problem, Method("kfac"), steps)
+    recipe = best([train(problem, Method("recipe", lr), steps) for lr in recipe_grid])
     return dict(name=name, blocks=blocks, generic=generic, adam=adam, kfac=kfac, recipe=recipe,
                 exact=problem.exact_loss)
 
@@ -86,7 +64,7 @@ def table(rows: Sequence[dict]) -> str:
             f"| {recipe.final_loss():.4f} ({recipe.learning_rate:g}) "
             f"| {kfac.ms_per_step:.1f} ({kfac.ms_per_step / adam.ms_per_step:.1f}) "
             f"| {recipe.ms_per_step:.1f} ({recipe.ms_per_step / adam.ms_per_step:.1f}) "
-            f"| {adam.first_call:.1f} / {kfac.first_call:.1f} / {recipe.first_call:.1f} |"
+            f"| {adam.first_call.total:.1f} / {kfac.first_call.total:.1f} / {recipe.first_call.total:.1f} |"
         )
     return "\n".join(lines)
 
@@ -125,13 +103,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="60 steps, one Adam and one recipe rate")
     parser.add_argument("--plot", help="write the loss curves to this PNG")
+    parser.add_argument("--batch-size", type=int, help="examples per batch (default: each model's)")
     args = parser.parse_args(argv)
     steps, adam_grid, recipe_grid = args.steps, ADAM_GRID, RECIPE_GRID
     if args.quick:
         steps, adam_grid, recipe_grid = min(steps, 60), (3e-3,), (0.1,)
     rows = []
     for name in args.models:
-        rows.append(run_model(name, steps, adam_grid, recipe_grid))
+        rows.append(run_model(name, steps, adam_grid, recipe_grid, args.batch_size))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(f"\n{steps} steps per run on {jax.devices()[0].platform}; Adam grid {adam_grid}, recipe grid {recipe_grid}.\n")
     print(table(rows))

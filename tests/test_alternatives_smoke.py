@@ -1,24 +1,32 @@
 """The alternatives benchmark (benchmarks/alternatives.py) on a tiny problem, a few steps.
 
 Wall time is never asserted (benchmarks are not tests). Checked: a method per optax code path trains
-through the shared loop with exact bookkeeping and every method builds its step; the
+through the harness's loop with exact bookkeeping and every method builds its step; the
 learning-rate rule brackets the best rate; steps and seconds to a target follow from the recorded
 times; the target leaves K-FAC out; the command line runs end to end and writes its plot.
 """
 
 import dataclasses
-import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import _problems  # noqa: E402
-import alternatives  # noqa: E402
-import model_zoo  # noqa: E402
+from benchmarks import alternatives
+from benchmarks.harness import (
+    WINDOW,
+    FirstCall,
+    Method,
+    Outcome,
+    Problem,
+    Run,
+    digits,
+    make_step,
+    psgd_error,
+    report,
+    run_round,
+)
+from benchmarks.model_zoo.tanh_mlp import TanhMLP, classifier_loss
 
 # One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
 pytestmark = pytest.mark.xdist_group("test_alternatives_smoke")
@@ -26,13 +34,13 @@ pytestmark = pytest.mark.xdist_group("test_alternatives_smoke")
 STEPS = 4
 
 
-def _tiny(seed: int) -> model_zoo.ZooProblem:
-    images, labels = model_zoo.digits()
+def _tiny(seed: int) -> Problem:
+    images, labels = digits()
     batch = (images[:32], labels[:32])
-    return model_zoo.ZooProblem(
+    return Problem(
         name="tiny",
-        model=_problems.TanhNet((64, 8, 10), jax.random.key(seed)),
-        loss=_problems.classifier_loss,
+        model=TanhMLP((64, 8, 10), jax.random.key(seed)),
+        loss=classifier_loss,
         next_batch=lambda model, step, key, previous: batch,
         batch_size=32,
     )
@@ -44,17 +52,17 @@ def problem():
 
 
 def test_every_method_runs_in_one_round_with_exact_bookkeeping(problem):
-    # One method per code path of `_optax_step`: a plain transform, and Sophia, whose update takes
-    # the objective. K-FAC's steps are the zoo's (`model_zoo.training`, tested with the zoo);
-    # compiling them here would add seconds and check nothing of this file's.
-    configs = [("adam", 1e-2), ("sophia", 1e-2)]
-    runs = alternatives.run_round(problem, configs, STEPS, seed=0, kfac_options={})
-    assert [(r.method, r.learning_rate) for r in runs] == configs
-    start = float(_problems.classifier_loss(problem.model, problem.next_batch(None, 0, None, None)))
+    # One method per code path of the optax steps: a plain transform, and Sophia, whose update
+    # takes the objective. K-FAC's steps are trained in test_zoo_training.py; compiling them here
+    # would add seconds and check nothing of this file's.
+    methods = [Method("adam", 1e-2), Method("sophia", 1e-2)]
+    runs = run_round(problem, methods, STEPS)
+    assert [(r.method, r.learning_rate) for r in runs] == [("adam", 1e-2), ("sophia", 1e-2)]
+    start = float(classifier_loss(problem.model, problem.next_batch(None, 0, None, None)))
     for run in runs:
         assert run.losses.shape == (STEPS,) and np.all(np.isfinite(run.losses)), run.method
         assert run.times.shape == run.batch_times.shape == (STEPS - 1,)
-        assert np.all(run.times > 0) and run.first_call > 0
+        assert np.all(run.times > 0) and run.first_call.total > 0
         # Every method starts from the same parameters on the same batch.
         np.testing.assert_allclose(run.losses[0], start, rtol=1e-5)
         assert run.losses[-1] < run.losses[0], run.method
@@ -63,29 +71,28 @@ def test_every_method_runs_in_one_round_with_exact_bookkeeping(problem):
 def test_every_method_builds_a_step_and_its_state(problem):
     batch = problem.next_batch(problem.model, 0, None, None)
     # psgd-jax comes with the `bench` extra, not with `dev`.
-    methods = [m for m in alternatives.METHODS if m != "psgd" or alternatives.psgd_error() is None]
-    for method in methods:
-        step, (opt_state, func_state) = alternatives.make_step(problem, method, 1e-2, batch, {})
+    methods = [m for m in alternatives.METHODS if m != "psgd" or psgd_error() is None]
+    for name in methods:
+        step, (opt_state, func_state) = make_step(problem, alternatives.make_method(name, 1e-2, {}), batch)
         assert callable(step) and func_state is None
-        assert jax.tree.leaves(opt_state), method
+        assert jax.tree.leaves(opt_state), name
     with pytest.raises(ValueError, match="method must be one of"):
-        alternatives.make_step(problem, "sgd", 1e-2, batch, {})
+        Method("lbfgs", 1e-2)
 
 
 def _run(losses, learning_rate=1e-3, method="adam", seed=0, first_call=2.0):
     steps = len(losses)
-    return alternatives.Run(
-        problem="p", method=method, learning_rate=learning_rate,
-        losses=np.asarray(losses, float), times=np.full(steps - 1, 0.5), first_call=first_call,
-        seed=seed, batch_times=np.full(steps - 1, 0.25),
+    return Run(
+        problem="p", method=method, learning_rate=learning_rate, seed=seed,
+        losses=np.asarray(losses, float), times=np.full(steps - 1, 0.5),
+        batch_times=np.full(steps - 1, 0.25), first_call=FirstCall(first_call, 0.0, 0.0, 0.0, 0.0),
     )
 
 
 def test_smoothed_loss_elapsed_time_and_reaching_a_target():
     losses = np.arange(30.0, 0.0, -1.0)
     run = _run(losses)
-    window = alternatives.WINDOW
-    expected = [losses[max(0, t - window + 1): t + 1].mean() for t in range(len(losses))]
+    expected = [losses[max(0, t - WINDOW + 1): t + 1].mean() for t in range(len(losses))]
     np.testing.assert_allclose(run.smoothed(), expected)
     np.testing.assert_allclose(run.elapsed()[:4], [0.0, 2.0, 2.75, 3.5])
     target = 20.0
@@ -121,19 +128,22 @@ def test_target_is_the_best_baseline_and_the_table_reports_it():
         "adam": [_run([5.0] * 10 + [2.0] * 10, 1e-3, "adam")],
         "muon": [_run([5.0] * 10 + [1.0] * 10, 3e-2, "muon", first_call=1.0)],
     }
-    outcome = alternatives.Outcome("p", 20, {m: list(r) for m, r in seeds.items()}, seeds, None)
+    outcome = Outcome("p", 20, {m: list(r) for m, r in seeds.items()}, seeds)
     assert outcome.target(0) == 1.0
     assert outcome.reaches("adam") == [None]
     # K-FAC's smoothed loss first reaches 1.0 at step 18; muon's at 19, sooner from its first call.
     assert outcome.reaches("kfac")[0].steps == 18 and outcome.reaches("muon")[0].steps == 19
     assert outcome.median_wall("muon") < outcome.median_wall("kfac") < np.inf
-    assert alternatives.summary(outcome).startswith("p: first muon")
-    assert "K-FAC's best kfac" in alternatives.summary(outcome)
+    assert report.summary(outcome).startswith("p: first muon")
+    assert "K-FAC's best kfac" in report.summary(outcome)
     seeds["kfac"] = [_run([5.0] * 20, None, "kfac")]
-    never = alternatives.Outcome("p", 20, {m: list(r) for m, r in seeds.items()}, seeds, None)
-    assert "neither K-FAC form reaches the target" in alternatives.summary(never)
-    rows = alternatives.table([outcome]).splitlines()
+    never = Outcome("p", 20, {m: list(r) for m, r in seeds.items()}, seeds)
+    assert "neither K-FAC form reaches the target" in report.summary(never)
+    rows = report.table([outcome]).splitlines()
     assert len(rows) == 2 + 3 and rows[2].split("|")[2].strip() == "kfac"
+    stages = report.first_call_table([outcome], {"p": "adam"}).splitlines()
+    # Muon's first call (1 s) is half of Adam's (2 s); its step costs the same.
+    assert [c.strip() for c in stages[-1].split("|")[8:12]] == ["1.0", "0.5", "500.00", "1.0"]
 
 
 def test_command_line_end_to_end(tmp_path, monkeypatch, capsys):

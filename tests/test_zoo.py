@@ -4,19 +4,14 @@ Every parameter of every zoo model is claimed by a layer (no generic fallback: `
 "error"` raises otherwise), with the block the layer's kind calls for.
 """
 
-import pathlib
-import sys
-
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
 
 import eqx_kfac
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import model_zoo as zoo  # noqa: E402
+from benchmarks import model_zoo as zoo
+from benchmarks.harness import Method, train
 
 # The tags each zoo model's layers get.
 _EXPECTED_TAGS = {
@@ -33,22 +28,10 @@ _EXPECTED_TAGS = {
 }
 
 
-def _func_args(problem, batch):
-    args = (problem.model,)
-    if problem.has_state:
-        args += (problem.func_state,)
-    if problem.has_rng:
-        args += (jax.random.key(0),)
-    return args + (batch,)
-
-
 @pytest.mark.parametrize("name", sorted(zoo.PROBLEMS))
 def test_every_parameter_gets_a_structured_block(name):
     problem = zoo.PROBLEMS[name](jax.random.key(0))
-    batch = problem.next_batch(problem.model, 0, jax.random.key(1), None)
-    estimator = eqx_kfac.BlockDiagonalCurvature(
-        problem.loss, _func_args(problem, batch), on_unmatched="error"
-    )
+    estimator = eqx_kfac.BlockDiagonalCurvature(problem.loss, problem.first_args(), on_unmatched="error")
     registrations = estimator.registrations()
     assert {r.tag for r in registrations.values()} == _EXPECTED_TAGS[name]
     assert len(registrations) == len(jax.tree.leaves(eqx.filter(problem.model, eqx.is_inexact_array)))
@@ -62,14 +45,13 @@ def test_every_parameter_gets_a_structured_block(name):
 def test_vmc_reaches_the_ground_state_energy(registration):
     # FermiNet's settings (fixed learning rate, damping and norm constraint, no momentum), with
     # log|ψ| registered inside the energy's custom JVP rule (FermiNet's way) or in the loss.
-    from model_zoo.training import train
-
     problem = zoo.vmc.problem(jax.random.key(0), registration, batch_size=256)
-    run = train(
-        problem, "kfac", 300, use_adaptive_learning_rate=False, use_adaptive_momentum=False,
-        use_adaptive_damping=False, learning_rate_schedule=lambda s: 0.05,
-        momentum_schedule=lambda s: 0.0, damping_schedule=lambda s: 1e-3, norm_constraint=1e-3,
+    settings = dict(
+        use_adaptive_learning_rate=False, use_adaptive_momentum=False, use_adaptive_damping=False,
+        learning_rate_schedule=lambda s: 0.05, momentum_schedule=lambda s: 0.0,
+        damping_schedule=lambda s: 1e-3, norm_constraint=1e-3,
     )
+    run = train(problem, Method("kfac", options=settings), 300)
     assert run.losses[0] > 1.6
     # The mean local energy of the last 50 steps (12,800 samples) within 0.01 of the exact 3/2.
     assert abs(np.mean(run.losses[-50:]) - zoo.vmc.EXACT_ENERGY) < 0.01

@@ -1,18 +1,17 @@
-"""The model zoo: idiomatic Equinox models that the tests and `benchmarks/zoo.py` share.
+"""The model zoo: idiomatic Equinox models that the tests and the benchmarks share.
 
-`make_zoo(key)` builds every problem; `PROBLEMS` maps each name to its builder. See `_problem` for
-what a problem provides.
+`PROBLEMS` maps each model of the gallery (`benchmarks/zoo.py`, docs/gallery.md) to its problem's
+builder, `builder(key, **options) -> benchmarks.harness.Problem`. Beside them: `tanh_mlp` (the main
+job's full-batch digits problems and the tanh network of the timing benchmarks) and
+`equinox_examples` (the models of Equinox's example notebooks, `benchmarks/examples.py`).
 """
 
 from collections.abc import Callable
 
-import jax
-from jaxtyping import PRNGKeyArray
+from ..harness import Problem
+from . import cnn, frozen, mlp, mlp_norm, resnet, rnn, scan_mlp, transformer, vmc  # noqa: F401
 
-from . import cnn, frozen, mlp, mlp_norm, resnet, rnn, scan_mlp, transformer, vmc
-from ._problem import ZooProblem as ZooProblem, digits as digits
-
-PROBLEMS: dict[str, Callable[..., ZooProblem]] = {
+PROBLEMS: dict[str, Callable[..., Problem]] = {
     "cnn": cnn.problem,
     "resnet": resnet.problem,
     "mlp_norm_dropout": mlp_norm.problem,
@@ -24,21 +23,3 @@ PROBLEMS: dict[str, Callable[..., ZooProblem]] = {
     "vmc_rule": lambda key, **kw: vmc.problem(key, "rule", **kw),
     "vmc_loss": lambda key, **kw: vmc.problem(key, "loss", **kw),
 }
-
-
-def make_zoo(key: PRNGKeyArray, names: tuple[str, ...] | None = None) -> dict[str, ZooProblem]:
-    """Builds the named zoo problems (all by default), each from its own key.
-
-    **Arguments:**
-
-    - `key`: a PRNG key.
-    - `names`: which problems (keys of `PROBLEMS`); all by default.
-
-    **Returns:**
-
-    A dict from name to `ZooProblem`.
-    """
-    names = tuple(PROBLEMS) if names is None else names
-    # Each problem's key depends on its name only, not on which others are built.
-    order = sorted(PROBLEMS)
-    return {name: PROBLEMS[name](jax.random.fold_in(key, order.index(name))) for name in names}

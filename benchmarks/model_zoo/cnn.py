@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._problem import ZooProblem, cross_entropy, digit_batches
+from ..harness import Problem, digit_batches
+from .losses import cross_entropy
 
 
 class CNN(eqx.Module):
@@ -35,9 +36,9 @@ def loss(model: CNN, batch: tuple[Float[Array, "n 1 8 8"], Int[Array, " n"]]) ->
     return cross_entropy(jax.vmap(model)(images), labels)
 
 
-def problem(key: PRNGKeyArray, batch_size: int = 128, batch_seed: int | None = None) -> ZooProblem:
+def problem(key: PRNGKeyArray, batch_size: int = 128, batch_seed: int | None = None) -> Problem:
     """The CNN on the digits (`batch_seed`: see `digit_batches`)."""
-    return ZooProblem(
+    return Problem(
         name="cnn",
         model=CNN(key),
         loss=loss,

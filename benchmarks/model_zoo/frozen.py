@@ -5,7 +5,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._problem import ZooProblem, cross_entropy, digit_batches
+from ..harness import Problem, digit_batches
+from .losses import cross_entropy
 
 
 def _split(key: PRNGKeyArray) -> tuple[eqx.nn.MLP, eqx.nn.MLP]:
@@ -25,7 +26,7 @@ def loss(
     return cross_entropy(jax.vmap(model)(x), labels)
 
 
-def problem(key: PRNGKeyArray, batch_size: int = 128) -> ZooProblem:
+def problem(key: PRNGKeyArray, batch_size: int = 128) -> Problem:
     """The MLP with its first layer frozen, on the digits."""
     trainable, frozen = _split(key)
     next_digits = digit_batches(batch_size)
@@ -34,7 +35,7 @@ def problem(key: PRNGKeyArray, batch_size: int = 128) -> ZooProblem:
         x, labels = next_digits(model, step, key, previous)
         return frozen, x, labels
 
-    return ZooProblem(
+    return Problem(
         name="frozen_part",
         model=trainable,
         loss=loss,

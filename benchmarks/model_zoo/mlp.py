@@ -4,7 +4,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._problem import ZooProblem, cross_entropy, digit_batches
+from ..harness import Problem, digit_batches
+from .losses import cross_entropy
 
 
 def loss(model: eqx.nn.MLP, batch: tuple[Float[Array, "n 64"], Int[Array, " n"]]) -> Float[Array, ""]:
@@ -15,9 +16,9 @@ def loss(model: eqx.nn.MLP, batch: tuple[Float[Array, "n 64"], Int[Array, " n"]]
 
 def problem(
     key: PRNGKeyArray, batch_size: int = 64, batch_seed: int | None = None, width: int = 64, depth: int = 2
-) -> ZooProblem:
+) -> Problem:
     """`eqx.nn.MLP(64, 10, width, depth)` (ReLU) on the digits (`batch_seed`: see `digit_batches`)."""
-    return ZooProblem(
+    return Problem(
         name="mlp",
         model=eqx.nn.MLP(64, 10, width, depth, key=key),
         loss=loss,

@@ -4,7 +4,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._problem import ZooProblem, cross_entropy, digit_batches
+from ..harness import Problem, digit_batches
+from .losses import cross_entropy
 
 
 class NormMLP(eqx.Module):
@@ -37,9 +38,9 @@ def loss(
     return cross_entropy(logits, labels)
 
 
-def problem(key: PRNGKeyArray, batch_size: int = 128) -> ZooProblem:
+def problem(key: PRNGKeyArray, batch_size: int = 128) -> Problem:
     """The normalised MLP on the digits, with dropout."""
-    return ZooProblem(
+    return Problem(
         name="mlp_norm_dropout",
         model=NormMLP(key),
         loss=loss,

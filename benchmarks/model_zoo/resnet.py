@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._problem import ZooProblem, cross_entropy, digit_batches
+from ..harness import Problem, digit_batches
+from .losses import cross_entropy
 
 _AXIS = "batch"
 
@@ -64,10 +65,10 @@ def loss(
     return cross_entropy(logits, labels), state
 
 
-def problem(key: PRNGKeyArray, batch_size: int = 128, mode: str = "batch") -> ZooProblem:
+def problem(key: PRNGKeyArray, batch_size: int = 128, mode: str = "batch") -> Problem:
     """The ResNet on the digits (`mode` is BatchNorm's: `"batch"` or `"ema"`)."""
     model, state = eqx.nn.make_with_state(ResNet)(key, mode=mode)
-    return ZooProblem(
+    return Problem(
         name="resnet",
         model=model,
         loss=loss,

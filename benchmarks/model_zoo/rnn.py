@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._problem import ZooProblem, cross_entropy, digit_batches
+from ..harness import Problem, digit_batches
+from .losses import cross_entropy
 
 
 class RNN(eqx.Module):
@@ -41,9 +42,9 @@ def loss(model: RNN, batch: tuple[Float[Array, "n 8 8"], Int[Array, " n"]]) -> F
     return cross_entropy(jax.vmap(model)(rows), labels)
 
 
-def problem(key: PRNGKeyArray, cell: str = "gru", batch_size: int = 128) -> ZooProblem:
+def problem(key: PRNGKeyArray, cell: str = "gru", batch_size: int = 128) -> Problem:
     """The GRU (`cell="gru"`) or LSTM (`cell="lstm"`) classifier on the digits' rows."""
-    return ZooProblem(
+    return Problem(
         name=cell,
         model=RNN(key, cell),
         loss=loss,

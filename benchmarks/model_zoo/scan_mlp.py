@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._problem import ZooProblem, cross_entropy, digit_batches
+from ..harness import Problem, digit_batches
+from .losses import cross_entropy
 
 
 class ScanMLP(eqx.Module):
@@ -39,9 +40,9 @@ def loss(model: ScanMLP, batch: tuple[Float[Array, "n 64"], Int[Array, " n"]]) -
     return cross_entropy(jax.vmap(model)(x), labels)
 
 
-def problem(key: PRNGKeyArray, depth: int = 4, batch_size: int = 128) -> ZooProblem:
+def problem(key: PRNGKeyArray, depth: int = 4, batch_size: int = 128) -> Problem:
     """The scan-over-layers MLP on the digits."""
-    return ZooProblem(
+    return Problem(
         name="scan_mlp",
         model=ScanMLP(key, depth),
         loss=loss,

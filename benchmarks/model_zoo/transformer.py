@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._problem import ZooProblem, cross_entropy, digit_batches
+from ..harness import Problem, digit_batches
+from .losses import cross_entropy
 
 _VOCABULARY, _LENGTH = 17, 64
 
@@ -69,9 +70,9 @@ def _tokens(pixels: Array) -> Array:
     return jnp.round(pixels * (_VOCABULARY - 1)).astype(jnp.int32)
 
 
-def problem(key: PRNGKeyArray, batch_size: int = 128) -> ZooProblem:
+def problem(key: PRNGKeyArray, batch_size: int = 128) -> Problem:
     """The transformer on the digits as sequences of pixel-intensity tokens."""
-    return ZooProblem(
+    return Problem(
         name="transformer",
         model=Transformer(key),
         loss=loss,

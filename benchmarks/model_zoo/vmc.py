@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_kfac
 
-from ._problem import ZooProblem
+from ..harness import Problem
 
 EXACT_ENERGY = 1.5
 _DIM = 3
@@ -109,7 +109,7 @@ def metropolis(
     return walkers
 
 
-def problem(key: PRNGKeyArray, registration: str = "rule", batch_size: int = 256) -> ZooProblem:
+def problem(key: PRNGKeyArray, registration: str = "rule", batch_size: int = 256) -> Problem:
     """The harmonic oscillator's VMC problem (`registration`: `"rule"` or `"loss"`).
 
     Walkers start from a standard normal and take 100 moves before the first step, then 10 moves
@@ -125,7 +125,7 @@ def problem(key: PRNGKeyArray, registration: str = "rule", batch_size: int = 256
         return metropolis(model, previous, key, 10)
 
     loss = {"rule": loss_registered_in_rule, "loss": loss_registered_in_loss}[registration]
-    return ZooProblem(
+    return Problem(
         name=f"vmc_{registration}",
         model=model,
         loss=loss,

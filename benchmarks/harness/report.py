@@ -1,18 +1,22 @@
-"""The report of `alternatives.py`: its markdown table, its one-line summaries and its plots."""
+"""Reports of `Outcome`s: the markdown tables, one-line summaries and plots of the docs pages.
+
+`table` gives each method's final loss and its steps and seconds to the problem's target (from the
+first call and compiled); `first_call_table` splits each method's first call by stage; `summary`
+names who reaches the target first; `plot` draws the smoothed loss against steps and seconds.
+"""
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from alternatives import Outcome
+from .methods import KFAC_METHODS
+from .outcome import Outcome
+from .record import WINDOW
 
-# K-FAC's two forms: left out of a problem's target (the best baseline's final loss).
-KFAC_METHODS = ("kfac", "recipe")
-# The final loss of a run is its mean training loss over the last `WINDOW` steps.
-WINDOW = 10
+COLORS = {"kfac": "tab:green", "recipe": "tab:olive", "adam": "tab:blue", "muon": "tab:red",
+          "sophia": "tab:purple", "psgd": "tab:brown", "adamw": "tab:blue", "adabelief": "tab:cyan",
+          "sgd": "tab:orange"}
 
 
 def _spread(values: Sequence[float], spec: str) -> str:
@@ -26,7 +30,16 @@ def _spread(values: Sequence[float], spec: str) -> str:
     return text + ("" if len(finite) == len(values) else f" ({len(finite)}/{len(values)})")
 
 
-def table(outcomes: Sequence["Outcome"]) -> str:
+def _rate(runs: Sequence, grid: Sequence) -> str:
+    if runs[0].learning_rate is None:
+        return "adaptive" if runs[0].method == "kfac" else "default"
+    if len(grid) == 1:
+        return f"{runs[0].learning_rate:g}"
+    rates = ", ".join(f"{r.learning_rate:g}" for r in sorted(grid, key=lambda r: r.learning_rate))
+    return f"{runs[0].learning_rate:g} ({rates})"
+
+
+def table(outcomes: Sequence[Outcome]) -> str:
     """The markdown table: one row per problem and method.
 
     Values over seeds are `median [min, max]`, with `(k/n)` when only `k` of the `n` seeds
@@ -42,25 +55,52 @@ def table(outcomes: Sequence["Outcome"]) -> str:
         for method, runs in outcome.seeds.items():
             grid = outcome.grids[method]
             reaches = outcome.reaches(method)
-            rate = "adaptive" if runs[0].learning_rate is None else (
-                f"{runs[0].learning_rate:g} ("
-                + ", ".join(f"{r.learning_rate:g}" for r in sorted(grid, key=lambda r: r.learning_rate))
-                + ")"
-            )
             lines.append(
-                f"| {outcome.problem} | {method} | {rate} "
+                f"| {outcome.problem} | {method} | {_rate(runs, grid)} "
                 f"| {_spread([r.final_loss(WINDOW) for r in runs], '.4f')} "
                 f"| {_spread([np.inf if r is None else r.steps for r in reaches], '.0f')} "
                 f"| {_spread([np.inf if r is None else r.wall for r in reaches], '.1f')} "
                 f"| {_spread([np.inf if r is None else r.compiled for r in reaches], '.2f')} "
                 f"| {_spread([r.ms_per_step for r in runs], '.1f')} "
-                f"| {_spread([r.first_call for r in runs], '.1f')} "
+                f"| {_spread([r.first_call.total for r in runs], '.1f')} "
                 f"| {sum(r.wall for r in grid):.0f} |"
             )
     return "\n".join(lines)
 
 
-def summary(outcome: "Outcome") -> str:
+def first_call_table(outcomes: Sequence[Outcome], baseline: dict[str, str]) -> str:
+    """The markdown table of each method's first call by stage (seed 0), against a baseline's.
+
+    **Arguments:**
+
+    - `outcomes`: the problems' results.
+    - `baseline`: `problem -> method` whose first call and step the ratios divide by.
+
+    **Returns:**
+
+    The table: setup (building the optimizer and its state), trace, lower, compile and the first
+    step's run in seconds, the whole first call and its ratio to the baseline's, the median
+    compiled step and its ratio.
+    """
+    header = (
+        "| problem | method | setup s | trace s | lower s | compile s | run s | first call s "
+        "| x baseline | ms/step | x baseline |"
+    )
+    lines = [header, "|" + "---|" * 11]
+    for outcome in outcomes:
+        base = outcome.seeds[baseline[outcome.problem]][0]
+        for method, runs in outcome.seeds.items():
+            run, first = runs[0], runs[0].first_call
+            lines.append(
+                f"| {outcome.problem} | {method} | {first.setup:.2f} | {first.trace:.2f} "
+                f"| {first.lower:.2f} | {first.compile:.2f} | {first.run:.3f} | {first.total:.1f} "
+                f"| {first.total / base.first_call.total:.1f} | {run.ms_per_step:.2f} "
+                f"| {run.ms_per_step / base.ms_per_step:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def summary(outcome: Outcome) -> str:
     """Which method reaches the target first from the first call, and the ratio to the runner-up.
 
     **Returns:**
@@ -81,11 +121,7 @@ def summary(outcome: "Outcome") -> str:
     return text + f" (target {outcome.target(0):.4f} on seed 0)"
 
 
-COLORS = {"kfac": "tab:green", "recipe": "tab:olive", "adam": "tab:blue", "muon": "tab:red",
-          "sophia": "tab:purple", "psgd": "tab:brown"}
-
-
-def plot(outcome: "Outcome", path: str) -> None:
+def plot(outcome: Outcome, path: str) -> None:
     """Writes the smoothed loss of each method's chosen run (seed 0) against steps and seconds.
 
     **Arguments:**
@@ -101,8 +137,7 @@ def plot(outcome: "Outcome", path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for method, runs in outcome.seeds.items():
         run = runs[0]
-        label = method if run.learning_rate is None else f"{method} lr={run.learning_rate:g}"
-        style = dict(color=COLORS[method], lw=1.8 if method in KFAC_METHODS else 1.1, label=label)
+        style = dict(color=COLORS.get(method), lw=1.8 if method in KFAC_METHODS else 1.1, label=run.label)
         axes[0].plot(run.smoothed(), **style)
         axes[1].plot(run.elapsed(), run.smoothed(), **style)
     for ax, xlabel in zip(axes, ("step", "seconds from the first call (compilation included)")):

@@ -1,0 +1,201 @@
+"""How a run trains: `Method`, and the step it compiles to.
+
+Every method trains the problem's loss (whose registrations are identities for the optax ones) and
+gives a step `step(model, state, key, batch) -> (model, state, record)`, where `record` holds the
+batch's `loss` (and K-FAC's step statistics):
+
+- `"kfac"`: `eqx_kfac.Optimizer` in its recommended configuration (`make_optimizer`: adaptive
+  learning rate, momentum and damping, everything else at its default); no learning rate.
+- `"recipe"`: `eqx_kfac.kfac_optax(loss, example_args, learning_rate)` (K-FAC preconditioning, a
+  norm constraint, momentum); `learning_rate=None` takes its default.
+- an optax transform of `OPTAX` (`adam`, `adamw`, `adabelief`, `sgd`, `muon`, `sophia`, `psgd`),
+  built as `OPTAX[name](learning_rate, **options)`. Sophia's update takes the objective
+  (`obj_fn`, the batch's loss).
+
+`Method.options` are keywords of `Optimizer` for `"kfac"`, of `kfac_optax` for `"recipe"`, of the
+optax transform otherwise.
+"""
+
+import contextlib
+import dataclasses
+import io
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import optax
+
+import eqx_kfac
+
+from .problem import Problem
+
+# K-FAC's two forms.
+KFAC_METHODS = ("kfac", "recipe")
+# The step statistics of `Optimizer` a run keeps.
+KFAC_STATS = ("learning_rate", "momentum", "damping", "skipped", "rejected")
+
+
+def psgd_kron(learning_rate: float, **options: Any) -> optax.GradientTransformationExtraArgs:
+    """psgd-jax's `kron` (the `bench` extra; its init prints the preconditioner's size, silenced).
+
+    psgd-jax 0.2.9 imports `optax._src.clipping`, which optax 0.2.8 moved to
+    `optax.transforms._clipping`; `kron` uses nothing from it, so the old name is aliased first.
+    """
+    import optax.transforms._clipping
+
+    sys.modules.setdefault("optax._src.clipping", optax.transforms._clipping)
+    from psgd_jax.kron import kron
+
+    transform = kron(learning_rate, **options)
+    quiet_init = lambda params: quiet(transform.init, params)  # noqa: E731
+    return optax.GradientTransformationExtraArgs(quiet_init, transform.update)
+
+
+def psgd_error() -> str | None:
+    """Why psgd-jax's `kron` cannot be used here (the exception), or `None` if it can."""
+    try:
+        psgd_kron(1e-3)
+    except Exception as error:  # noqa: BLE001 -- any import failure is reported, not raised
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def quiet(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)` with its prints silenced."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return function(*args, **kwargs)
+
+
+OPTAX: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adam": optax.adam,
+    "adamw": optax.adamw,
+    "adabelief": optax.adabelief,
+    "sgd": optax.sgd,
+    "muon": optax.contrib.muon,
+    "sophia": optax.contrib.sophia,
+    "psgd": psgd_kron,
+}
+# Transforms whose `update` takes the objective as `obj_fn`.
+_NEEDS_OBJECTIVE = ("sophia",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way of training.
+
+    **Fields:**
+
+    - `name`: `"kfac"`, `"recipe"` or a key of `OPTAX`.
+    - `learning_rate`: the learning rate (`None` for `"kfac"`, and for `"recipe"` at its default).
+    - `options`: keywords for the optimizer (see the module docstring).
+    """
+
+    name: str
+    learning_rate: float | None = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.name not in (*KFAC_METHODS, *OPTAX):
+            raise ValueError(f"method must be one of {(*KFAC_METHODS, *OPTAX)}, got {self.name!r}.")
+
+    @property
+    def label(self) -> str:
+        """The method and its learning rate, e.g. `adam lr=0.001`."""
+        return label(self.name, self.learning_rate)
+
+
+def label(name: str, learning_rate: float | None) -> str:
+    """`name`, with ` lr=<learning_rate>` when there is one."""
+    return name if learning_rate is None else f"{name} lr={learning_rate:g}"
+
+
+def make_optimizer(problem: Problem, **overrides: Any) -> eqx_kfac.Optimizer:
+    """`eqx_kfac.Optimizer` in its recommended configuration for a problem: adaptive learning rate,
+    momentum and damping, the other keywords at their defaults.
+
+    **Arguments:**
+
+    - `problem`: the problem.
+    - `**overrides`: `Optimizer` keywords replacing the defaults here.
+
+    **Returns:**
+
+    The optimizer.
+    """
+    options = dict(
+        l2_reg=0.0,
+        value_func_has_state=problem.has_state,
+        value_func_has_rng=problem.has_rng,
+        use_adaptive_learning_rate=True,
+        use_adaptive_momentum=True,
+        use_adaptive_damping=True,
+    )
+    options.update(overrides)
+    return eqx_kfac.Optimizer(problem.value_and_grad(), **options)
+
+
+def _kfac(problem: Problem, batch: Any, options: Mapping[str, Any]) -> tuple[Callable, Any]:
+    optimizer = make_optimizer(problem, **options)
+
+    def step(model, state, key, batch):
+        kfac_state, func_state = state
+        out = optimizer.step(model, kfac_state, key, batch=batch, func_state=func_state)
+        if problem.has_state:
+            model, kfac_state, func_state, stats = out
+        else:
+            model, kfac_state, stats = out
+        return model, (kfac_state, func_state), {k: stats[k] for k in ("loss", *KFAC_STATS)}
+
+    init = optimizer.init(problem.model, jax.random.key(0), batch, func_state=problem.func_state)
+    return step, (init, problem.func_state)
+
+
+def _optax(
+    problem: Problem, transform: optax.GradientTransformationExtraArgs, objective: bool, kfac: bool
+) -> tuple[Callable, Any]:
+    """A step of an optax transform: `obj_fn` passed if `objective`; the batch's loss arguments and
+    key passed if `kfac` (`kfac_optax`'s update takes them)."""
+    value_and_grad = problem.value_and_grad()
+
+    def step(model, state, key, batch):
+        opt_state, func_state = state
+        args = problem.args(model, func_state, key, batch)
+        out, grads = value_and_grad(*args)
+        loss, new_func_state = problem.split(out, func_state)
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        extra = {}
+        if objective:
+            extra["obj_fn"] = lambda p: problem.split(problem.loss(eqx.combine(p, static), *args[1:]), None)[0]
+        if kfac:
+            extra.update(loss_args=args[1:], key=key)
+        updates, opt_state = transform.update(grads, opt_state, params, **extra)
+        return eqx.apply_updates(model, updates), (opt_state, new_func_state), {"loss": loss}
+
+    params = eqx.filter(problem.model, eqx.is_inexact_array)
+    return step, (transform.init(params), problem.func_state)
+
+
+def make_step(problem: Problem, method: Method, batch: Any) -> tuple[Callable, Any]:
+    """`(step, state)` of one method on a problem.
+
+    **Arguments:**
+
+    - `problem`: the problem (its model is the initial point).
+    - `method`: the method.
+    - `batch`: the first batch (K-FAC's burn-in and structure).
+
+    **Returns:**
+
+    `step(model, state, key, batch) -> (model, state, record)` (not jitted) and the initial state.
+    """
+    if method.name == "kfac":
+        return _kfac(problem, batch, method.options)
+    if method.name == "recipe":
+        example = problem.args(problem.model, problem.func_state, jax.random.key(0), batch)
+        rate = {} if method.learning_rate is None else {"learning_rate": method.learning_rate}
+        transform = eqx_kfac.kfac_optax(problem.loss, example, **rate, **method.options)
+        return _optax(problem, transform, objective=False, kfac=True)
+    transform = OPTAX[method.name](method.learning_rate, **method.options)
+    return _optax(problem, transform, objective=method.name in _NEEDS_OBJECTIVE, kfac=False)
