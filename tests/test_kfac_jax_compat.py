@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -169,3 +170,51 @@ def test_default_parameters_of_a_pattern_without_extractor(getkey):
     # here it is compared with the exact GGN's Kronecker structure: (A ⊗ I) for out_in rows.
     a = jnp.tanh(x).T @ jnp.tanh(x) / 6
     np.testing.assert_allclose(estimator.to_dense_matrix(state), 2.0 * jnp.kron(jnp.eye(4), a), rtol=1e-10)
+
+
+def _nd_params(key):
+    k1, k2 = jax.random.split(key)
+    return {"b": 0.1 * jax.random.normal(k1, (4, 5)), "w": jax.random.normal(k2, (2, 3, 4, 5))}
+
+
+def _nd_loss(params, batch, manual):
+    x, t = batch  # x: (batch, 2, 3), t: (batch, 20)
+    y = jnp.tensordot(x, params["w"], axes=2) + params["b"]
+    if manual:
+        y = eqx_kfac.register_dense(y, x, params["w"], params["b"], variant="dense")
+    out = jnp.tanh(y).reshape(x.shape[0], -1)
+    eqx_kfac.register_squared_error_loss(out, t)
+    return jnp.mean(jnp.sum((out - t) ** 2, -1))
+
+
+@pytest.mark.parametrize("manual", [True, False], ids=["register_dense", "pattern"])
+def test_nd_dense_weights_are_exact_where_kfac_is(getkey, manual):
+    """A weight `(*in, *out)` (`jnp.tensordot(x, w, 2)`, Flax's `DenseGeneral`): registered by
+    hand or matched, its blocks act on its `(in, out)` reshape. The full and diagonal blocks are
+    the exact GGN's block and diagonal, the Kronecker block is exact on one example."""
+    params = _nd_params(getkey())
+
+    def exact_ggn(batch):
+        flat, unravel = jax.flatten_util.ravel_pytree(params)
+        out = lambda p: jnp.tanh(jnp.tensordot(batch[0], unravel(p)["w"], axes=2) + unravel(p)["b"]).reshape(-1)
+        jac = jax.jacobian(out)(flat)
+        return 2.0 * jac.T @ jac / batch[0].shape[0]  # squared error: the loss's GGN is 2 I
+
+    def curvature(batch, block=None):
+        estimator = eqx_kfac.BlockDiagonalCurvature(
+            lambda p, b: _nd_loss(p, b, manual), (params, batch), default_estimation_mode="ggn_exact",
+            on_unmatched="error", layer_tag_to_block_ctor=None if block is None else {"dense": block},
+        )
+        (layer,) = estimator.blocks
+        assert (layer.spec.param_shapes, layer.spec.origin) == (
+            ((2, 3, 4, 5), (4, 5)), "manual" if manual else "dense_general_2x2_with_bias"
+        )
+        state = estimator.update_curvature_matrix_estimate(estimator.init(jax.random.key(0)), 0.0, 1.0, batch[0].shape[0], jax.random.key(0), (params, batch))
+        return np.asarray(estimator.to_dense_matrix(state))
+
+    batch = (jax.random.normal(getkey(), (3, 2, 3)), jax.random.normal(getkey(), (3, 20)))
+    exact = exact_ggn(batch)
+    np.testing.assert_allclose(curvature(batch, eqx_kfac.DenseFull), exact, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(np.diag(curvature(batch, eqx_kfac.DenseDiagonal)), np.diag(exact), rtol=1e-9)
+    one = (batch[0][:1], batch[1][:1])
+    np.testing.assert_allclose(curvature(one), exact_ggn(one), rtol=1e-9, atol=1e-12)

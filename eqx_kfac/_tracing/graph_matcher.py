@@ -71,9 +71,9 @@ from .tags import (
     embedding_tag,
     generic_tag,
     is_loss_tag_eqn,
+    bind_dense,
     layer_tag_of,
     register_conv2d,
-    register_dense,
     register_embedding,
     register_scale_and_shift,
     scale_and_shift_tag,
@@ -86,9 +86,7 @@ from .tags import (
 
 _CONV_KEYS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers", "feature_group_count")
 _VALIDATORS = {
-    dense_tag: lambda m, ys, xs, ps: register_dense(
-        *ys, *xs, *ps, weight_layout=m["weight_layout"], variant=m.get("variant", "dense")
-    ),
+    dense_tag: lambda m, ys, xs, ps: _bind_dense(m, ys, xs, ps, "validation"),
     conv2d_tag: lambda m, ys, xs, ps: register_conv2d(*ys, *xs, *ps, **{k: m[k] for k in _CONV_KEYS}),
     embedding_tag: lambda m, ys, xs, ps: register_embedding(*ys, *xs, *ps),
     scale_and_shift_tag: lambda m, ys, xs, ps: register_scale_and_shift(
@@ -99,6 +97,13 @@ _VALIDATORS = {
         param_axes=m.get("param_axes"),
     ),
 }
+
+
+def _bind_dense(meta: dict[str, Any], ys: Sequence[Any], xs: Sequence[Any], ps: Sequence[Any], origin: str) -> Any:
+    """Binds the dense tag as `register_dense` does (an n-d weight's features flattened)."""
+    return bind_dense(
+        *ys, *xs, *ps, weight_layout=meta.get("weight_layout"), variant=meta.get("variant", "dense"), origin=origin
+    )
 
 
 def _to_tag_layout(x: Any, feature_major: bool) -> Any:
@@ -318,7 +323,10 @@ class _TagBinder(JaxprHook):
         inputs_major, outputs_major = match.pattern.feature_major
         ys = [_to_tag_layout(outs[i], outputs_major) for i in match.out_positions]
         xs = match.pattern.tag_inputs([_to_tag_layout(x, inputs_major) for x in match.inputs], ys)
-        tagged = match.pattern.tag.bind(*ys, *xs, *match.params, **match.meta, origin=match.pattern.name)
+        if match.pattern.tag is dense_tag:
+            tagged = [_bind_dense(match.meta, ys, xs, match.params, match.pattern.name)]
+        else:
+            tagged = match.pattern.tag.bind(*ys, *xs, *match.params, **match.meta, origin=match.pattern.name)
         for i, y in zip(match.out_positions, tagged):
             outs[i] = _from_tag_layout(y, outputs_major)
         return outs

@@ -224,6 +224,18 @@ def _dense_in_out(x, params):
     return x @ w + b[0] if b else x @ w
 
 
+def _dense_general(n_in: int) -> Callable[[Any, Any], Any]:
+    """`jnp.tensordot(x, w, n_in) (+ b)`: a dense layer with an n-d weight `(*in, *out)`, as Flax's
+    `DenseGeneral` and kfac-jax's dense patterns write it."""
+
+    def compute(x, params):
+        w, *b = params
+        y = jnp.tensordot(x, w, axes=n_in)
+        return y + b[0] if b else y
+
+    return compute
+
+
 def _conv_per_example(x, params):
     w, *b = params
 
@@ -362,12 +374,16 @@ def _dense_meta(eqns: Sequence[JaxprEqn], params: Sequence[Any], resolve: Callab
     # The weight may reach the product transposed (`x @ w.T`).
     transposed = {e.outvars[0]: e for e in eqns if e.primitive.name == "transpose"}
     for k, v in enumerate(dot.invars):
-        permutation = (0, 1)
+        permutation = tuple(range(v.aval.ndim))
         if v in transposed:
             permutation, v = tuple(transposed[v].params["permutation"]), transposed[v].invars[0]
-        if resolve(v) is params[0] and len(contracting[k]) == 1 and v.aval.ndim == 2:
-            layout = "in_out" if permutation[int(contracting[k][0])] == 0 else "out_in"
-            return dict(weight_layout=layout, has_bias=len(params) == 2)
+        if resolve(v) is not params[0]:
+            continue
+        dims = tuple(permutation[int(d)] for d in contracting[k])
+        if dims == tuple(range(len(dims))):
+            return dict(weight_layout="in_out", has_bias=len(params) == 2)
+        if v.aval.ndim == 2 and dims == (1,):
+            return dict(weight_layout="out_in", has_bias=len(params) == 2)
     return None
 
 
@@ -536,6 +552,14 @@ def _make_default_patterns() -> tuple[GraphPattern, ...]:
                     _dense_examples((_OUT, _IN), bias, input_major), meta, precedence,
                     feature_major=(input_major, output_major),
                 )
+            )
+        for n_in, n_out in ((1, 2), (2, 1), (2, 2)):
+            in_dims, out_dims = (_IN, _IN + 1)[:n_in], (_OUT, _OUT + 1)[:n_out]
+            params = (_f32(*in_dims, *out_dims), _f32(*out_dims)) if bias else (_f32(*in_dims, *out_dims),)
+            examples = [(_f32(*_BATCH[:n], *in_dims), params) for n in (1, 2, 3)]
+            meta = _fixed_meta(weight_layout="in_out", has_bias=bias)
+            patterns.append(
+                GraphPattern(f"dense_general_{n_in}x{n_out}_{suffix}", dense_tag, _dense_general(n_in), examples, meta, precedence)
             )
         for name, func, x_shape, w_shape, b_shape in (
             ("conv2d", _conv_per_example, (2, _IN, 8, 9), (_OUT, _IN, 3, 2), (_OUT, 1, 1)),

@@ -220,6 +220,25 @@ def _shape_error(what: str, detail: str) -> ValueError:
     return ValueError(f"{what}: {detail}")
 
 
+def _in_dims(what: str, x: tuple[int, ...], y: tuple[int, ...], w: tuple[int, ...], num_in_dims: int | None) -> int:
+    """How many leading axes of an n-d weight `(*in, *out)` are input features."""
+    fits = [
+        k for k in range(1, len(w))
+        if x[len(x) - k:] == w[:k] and y[len(y) - (len(w) - k):] == w[k:]
+        and x[: len(x) - k] == y[: len(y) - (len(w) - k)] and len(x) >= k
+    ]
+    if num_in_dims is not None:
+        fits = [k for k in fits if k == num_in_dims]
+    if len(fits) != 1:
+        raise _shape_error(
+            what,
+            "an n-d weight must be (*in, *out), with x: (..., *in) and y: (..., *out) sharing their "
+            + ("leading dims; " if not fits else "leading dims, and several splits fit: pass num_in_dims; ")
+            + "a transposed n-d weight is not supported.",
+        )
+    return fits[0]
+
+
 def register_dense(
     y: Array,
     x: Array,
@@ -228,6 +247,7 @@ def register_dense(
     *,
     weight_layout: str | None = None,
     variant: str = "dense",
+    num_in_dims: int | None = None,
 ) -> Array:
     """Registers a dense layer `y = x @ w (+ b)` (or `y = x @ w.T (+ b)`).
 
@@ -239,8 +259,12 @@ def register_dense(
       electrons), which the blocks treat as more examples (the "expand" convention).
     - `w`: the weight, shape `(in, out)` (layout `"in_out"`) or `(out, in)` (layout `"out_in"`, as
       in `eqx.nn.Linear`). The layout is inferred from the shapes; a square weight is taken as
-      `"in_out"` unless `weight_layout` says otherwise.
-    - `b`: optional bias of shape `(out,)`.
+      `"in_out"` unless `weight_layout` says otherwise. A weight of more than two axes is
+      `(*in, *out)` (`y = jnp.tensordot(x, w, len(in)) (+ b)`, as Flax's `DenseGeneral` and
+      kfac-jax's dense patterns have it) with `x: (..., *in)`, `y: (..., *out)` and `b: out`;
+      the tag gets the features flattened, and the blocks treat the weight as its
+      `(prod(in), prod(out))` reshape.
+    - `b`: optional bias of shape `(out,)` (or `out` for an n-d weight).
     - `weight_layout`: `"in_out"` or `"out_in"`, to override the inference.
     - `variant`: kfac-jax's keyword, kept in the tag's parameters (the `LayerSpec`'s `meta`).
       `"dense"` (the default) and `"repeated_dense"` are the same layer here: the dense tag
@@ -248,6 +272,34 @@ def register_dense(
       `"repeated_dense"` (`register_repeated_dense`) takes. Any other name is a variant of your
       own: the layer gets the block given for that name in `layer_tag_to_block_ctor` (or by
       `set_default_tag_to_block_ctor`), and the dense blocks where there is none.
+    - `num_in_dims`: for an n-d weight, how many of its leading axes are input features, when
+      the shapes leave it ambiguous.
+
+    **Returns:**
+
+    `y`, unchanged.
+    """
+    return bind_dense(
+        y, x, w, b, weight_layout=weight_layout, variant=variant, num_in_dims=num_in_dims, origin="manual"
+    )
+
+
+def bind_dense(
+    y: Array,
+    x: Array,
+    w: Array,
+    b: Array | None = None,
+    *,
+    weight_layout: str | None,
+    variant: str,
+    origin: str,
+    num_in_dims: int | None = None,
+) -> Array:
+    """`register_dense` with the tag's `origin` (the graph matcher binds matched dense layers
+    through it, with the pattern's name): checks the shapes, flattens the features of an n-d
+    weight's layer, and binds the dense tag.
+
+    **Arguments:** as for `register_dense`, and `origin`.
 
     **Returns:**
 
@@ -256,8 +308,19 @@ def register_dense(
     what = f"register_dense(y: {jnp.shape(y)}, x: {jnp.shape(x)}, w: {jnp.shape(w)}, b: {None if b is None else jnp.shape(b)})"
     if not isinstance(variant, str) or not variant:
         raise TypeError(f"{what}: variant must be a non-empty string such as 'dense', got {variant!r}.")
+    meta = {} if variant == "dense" else {"variant": variant}
+    if jnp.ndim(w) > 2 and weight_layout in (None, "in_out"):
+        k = _in_dims(what, jnp.shape(x), jnp.shape(y), jnp.shape(w), num_in_dims)
+        n_out = math.prod(jnp.shape(w)[k:])
+        if b is not None and jnp.shape(b) != jnp.shape(w)[k:]:
+            raise _shape_error(what, f"the bias must have the output features' shape {jnp.shape(w)[k:]}.")
+        flat_x = jnp.reshape(x, (*jnp.shape(x)[: jnp.ndim(x) - k], -1))
+        flat_y = jnp.reshape(y, (*jnp.shape(flat_x)[:-1], n_out))
+        args = (flat_y, flat_x, w) if b is None else (flat_y, flat_x, w, b)
+        out = dense_tag.bind(*args, weight_layout="in_out", has_bias=b is not None, origin=origin, **meta)[0]
+        return jnp.reshape(out, jnp.shape(y))
     if jnp.ndim(x) < 1 or jnp.ndim(y) < 1 or jnp.ndim(w) != 2:
-        raise _shape_error(what, "expected x: (..., in), y: (..., out) and a 2-D weight.")
+        raise _shape_error(what, "expected x: (..., in), y: (..., out) and a 2-D weight (or an n-d one, (*in, *out)).")
     if jnp.shape(x)[:-1] != jnp.shape(y)[:-1]:
         raise _shape_error(what, "x and y must have the same leading (batch) dimensions.")
     n_in, n_out = jnp.shape(x)[-1], jnp.shape(y)[-1]
@@ -276,8 +339,7 @@ def register_dense(
     if b is not None and jnp.shape(b) != (n_out,):
         raise _shape_error(what, f"the bias must have shape (out,) = {(n_out,)}.")
     args = (y, x, w) if b is None else (y, x, w, b)
-    meta = {} if variant == "dense" else {"variant": variant}
-    return dense_tag.bind(*args, weight_layout=weight_layout, has_bias=b is not None, origin="manual", **meta)[0]
+    return dense_tag.bind(*args, weight_layout=weight_layout, has_bias=b is not None, origin=origin, **meta)[0]
 
 
 def register_repeated_dense(

@@ -25,12 +25,27 @@ def check_dense_spec(block: CurvatureBlock) -> None:
     problem = None
     if layout not in ("in_out", "out_in"):
         problem = f"weight_layout must be 'in_out' or 'out_in', got {layout!r}"
-    elif len(spec.param_shapes) != 1 + has_bias or len(spec.param_shapes[0]) != 2:
-        problem = f"expected a 2-D weight{' and a bias' if has_bias else ''}, got parameter shapes {spec.param_shapes}"
+    elif len(spec.param_shapes) != 1 + has_bias or len(spec.param_shapes[0]) < 2:
+        problem = f"expected a weight{' and a bias' if has_bias else ''}, got parameter shapes {spec.param_shapes}"
     elif len(spec.input_shapes) != 1 or len(spec.output_shapes) != 1:
         problem = "expected one input and one output"
+    elif len(spec.param_shapes[0]) > 2 and not _fits_flattened(spec):
+        problem = (
+            f"an n-d weight must be (*in, *out) (layout 'in_out') with the input's and output's "
+            f"features flattened, got parameter shapes {spec.param_shapes} for input "
+            f"{spec.input_shapes[0]} and output {spec.output_shapes[0]}"
+        )
     if problem is not None:
         raise ValueError(f"{type(block).__name__} cannot handle the {spec.describe}: {problem}.")
+
+
+def _fits_flattened(spec: LayerSpec) -> bool:
+    n_in, n_out = spec.input_shapes[0][-1], spec.output_shapes[0][-1]
+    return (
+        spec.get("weight_layout") == "in_out"
+        and int(np.prod(spec.param_shapes[0])) == n_in * n_out
+        and all(int(np.prod(s)) == n_out for s in spec.param_shapes[1:])
+    )
 
 
 def dense_layout(spec: LayerSpec) -> tuple[bool, bool, int, int]:
@@ -43,10 +58,13 @@ def dense_layout(spec: LayerSpec) -> tuple[bool, bool, int, int]:
     **Returns:**
 
     `(in_out, has_bias, n_in, n_out)`: whether the weight is `(in, out)`, whether there is a
-    bias, and the input and output sizes.
+    bias, and the input and output sizes. An n-d weight `(*in, *out)` (`register_dense` hands
+    the tag the features flattened) is `(prod(in), prod(out))` in `"in_out"` layout.
     """
     in_out = spec.get("weight_layout") == "in_out"
     has_bias = len(spec.param_shapes) == 2
+    if len(spec.param_shapes[0]) != 2:
+        return True, has_bias, spec.input_shapes[0][-1], spec.output_shapes[0][-1]
     rows, cols = spec.param_shapes[0]
     return (in_out, has_bias, rows, cols) if in_out else (in_out, has_bias, cols, rows)
 
@@ -77,7 +95,7 @@ def dense_gradient_samples(spec: LayerSpec, data: EstimationData) -> tuple[Array
     equation = "bti,vbto->vbio" if in_out else "bti,vbto->vboi"
     samples = (jnp.reshape(jnp.einsum(equation, x, dy), (v * b, *spec.param_shapes[0])),)
     if has_bias:
-        samples += (jnp.reshape(jnp.sum(dy, axis=2), (v * b, n_out)),)
+        samples += (jnp.reshape(jnp.sum(dy, axis=2), (v * b, *spec.param_shapes[1])),)
     return samples
 
 

@@ -143,9 +143,10 @@ class DenseDiagonal(Diagonal):
         x2 = jnp.square(x.astype(self.dtype))
         dy2 = jnp.square(dy.astype(self.dtype))
         equation = "bi,vbo->io" if in_out else "bi,vbo->oi"
-        stats = (jnp.einsum(equation, x2, dy2) / batch_size,)
+        shapes = self.spec.param_shapes  # an n-d weight is its (in, out) reshape
+        stats = (jnp.reshape(jnp.einsum(equation, x2, dy2) / batch_size, shapes[0]),)
         if has_bias:
-            stats += (jnp.sum(dy2, axis=(0, 1)) / batch_size,)
+            stats += (jnp.reshape(jnp.sum(dy2, axis=(0, 1)) / batch_size, shapes[1]),)
         return stats
 
 

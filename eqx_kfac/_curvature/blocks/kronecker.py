@@ -311,19 +311,22 @@ class DenseTwoKroneckerFactored(KroneckerFactored):
         _, has_bias, n_in, n_out = dense_layout(self.spec)
         return (n_in + has_bias, n_out)
 
+    # An n-d `(*in, *out)` weight (and `out`-shaped bias) is used as its `(in, out)` reshape.
+
     def _params_to_array(self, vector: tuple[Array, ...]) -> Array:
-        in_out, has_bias, _, _ = dense_layout(self.spec)
-        weight = vector[0] if in_out else vector[0].T
+        in_out, has_bias, n_in, n_out = dense_layout(self.spec)
+        weight = jnp.reshape(vector[0], (n_in, n_out)) if in_out else vector[0].T
         if not has_bias:
             return weight
-        return jnp.concatenate([weight, vector[1][None, :]], axis=0)
+        return jnp.concatenate([weight, jnp.reshape(vector[1], (1, n_out))], axis=0)
 
     def _array_to_params(self, array: Array) -> tuple[Array, ...]:
         in_out, has_bias, n_in, _ = dense_layout(self.spec)
+        shapes = self.spec.param_shapes
         weight = array[:n_in]
-        params = (weight if in_out else weight.T,)
+        params = (jnp.reshape(weight, shapes[0]) if in_out else weight.T,)
         if has_bias:
-            params += (array[n_in],)
+            params += (jnp.reshape(array[n_in], shapes[1]),)
         return params
 
     # An `(out, in)` weight (`eqx.nn.Linear`) is used as it is, with the bias as an extra column:
