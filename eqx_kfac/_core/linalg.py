@@ -1,33 +1,43 @@
-"""Dense factorisations that never issue a batched LAPACK call, so they cannot deadlock.
+"""Dense factorisations, chosen per platform when the program is lowered.
 
-jaxlib's CPU kernels for batched LAPACK calls (`eigh`, Cholesky, triangular solves, ...) split
-the batch into chunks, schedule them on XLA's intra-op thread pool and block until they are done
-(`jax::ParallelBatchMap`). XLA runs independent operations of one program on the same pool, so when
-as many batched calls run at once as the pool has threads, every thread waits for chunks that no
-thread is left to run: the program hangs with no CPU use (measured on 2 cores: the first step of a
-scan-over-layers model, whose stacked factors make every refresh a batched `eigh`, hung in 2 runs
-out of 5). A call on a single matrix runs inline and never waits.
+**CPU: one matrix per LAPACK call.** jaxlib's CPU kernels for batched LAPACK calls (`eigh`,
+Cholesky, triangular solves, ...) split the batch into chunks, schedule them on XLA's intra-op
+thread pool and block until they are done (`jax::ParallelBatchMap`). XLA runs independent
+operations of one program on the same pool, so when as many batched calls run at once as the pool
+has threads, every thread waits for chunks that no thread is left to run: the program hangs with
+no CPU use (measured on 2 cores: the first step of a scan-over-layers model, whose stacked factors
+make every refresh a batched `eigh`, hung in 2 runs out of 5). A call on a single matrix runs
+inline and never waits. On CPU the functions here therefore factorise one matrix at a time:
+leading batch axes are looped over with `lax.map`, and under `jax.vmap` the matrices are visited
+sequentially (`jax.custom_batching.sequential_vmap`) instead of becoming one batched call.
 
-The functions here therefore factorise one matrix at a time: leading batch axes are looped over
-with `lax.map`, and under `jax.vmap` the matrices are visited sequentially
-(`jax.custom_batching.sequential_vmap`) instead of becoming one batched call. Their derivatives
-are written out (`custom_jvp`) so that they stay differentiable in both modes, and the tangent
-computations use matrix products only.
+**GPU and TPU: batched calls.** The deadlock is a fact of jaxlib's CPU kernels only. On a GPU a
+batched `syevd`/`potrf` over a stack of factors is the fast path (one cuSOLVER call for all the
+layers of a scanned model, where a loop would serialise them), and TPUs factorise batches in XLA
+itself. The choice is made by `jax.lax.platform_dependent`, when the program is lowered: a program
+lowered for one platform contains only that platform's branch (`tests/test_platform_lowering.py`
+exports the optimizer's step for `cuda` and `tpu` and checks that no solver call sits in a loop;
+`tests/test_no_deadlock.py` checks that the CPU program makes unbatched calls only).
 
-**LAPACK's own threads.** jaxlib's CPU kernels call the LAPACK that SciPy loads (OpenBLAS in
-SciPy's wheels). Inside a compiled program they run on XLA's thread pool, which already keeps
-every core busy; a multi-threaded OpenBLAS then starts threads of its own for matrices from 32
-rows on, which spin after each call and take cores from XLA (measured on 2 cores: inverting the
-16 factors of a 784-1000-500-250-30 autoencoder by block elimination with 127-row leaves took 113
-ms with one OpenBLAS thread and ~2.5 s with two, the machine being busy). The first time a
-factorisation is traced, the BLAS library behind SciPy's LAPACK is therefore set to one thread
-(through `threadpoolctl`); set the environment variable `EQX_KFAC_LAPACK_THREADS` to another
-number of threads, or to `keep` to leave the library as it is.
+Derivatives are written out (`custom_jvp`) so that both forms stay differentiable in both modes;
+the tangent computations use matrix products only.
+
+**LAPACK's own threads (CPU only).** jaxlib's CPU kernels call the LAPACK that SciPy loads
+(OpenBLAS in SciPy's wheels). Inside a compiled program they run on XLA's thread pool, which
+already keeps every core busy; a multi-threaded OpenBLAS then starts threads of its own for
+matrices from 32 rows on, which spin after each call and take cores from XLA (measured on 2 cores:
+inverting the 16 factors of a 784-1000-500-250-30 autoencoder by block elimination with 127-row
+leaves took 113 ms with one OpenBLAS thread and ~2.5 s with two, the machine being busy). The
+first time a factorisation is traced in a process whose default backend is the CPU, the BLAS
+library behind SciPy's LAPACK is therefore set to one thread (through `threadpoolctl`); set the
+environment variable `EQX_KFAC_LAPACK_THREADS` to another number of threads, or to `keep` to leave
+the library as it is. A process whose default backend is a GPU or TPU leaves it alone.
 """
 
 import functools
 import os
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +48,10 @@ from jaxtyping import Array, Float
 @functools.cache
 def limit_lapack_threads() -> None:
     """Sets the BLAS library behind jaxlib's CPU LAPACK kernels (SciPy's) to
-    `EQX_KFAC_LAPACK_THREADS` threads (default 1; `keep` leaves it alone). Runs once."""
+    `EQX_KFAC_LAPACK_THREADS` threads (default 1; `keep` leaves it alone). Runs once, and only in a
+    process whose default backend is the CPU."""
     setting = os.environ.get("EQX_KFAC_LAPACK_THREADS", "1")
-    if setting == "keep":
+    if setting == "keep" or jax.default_backend() != "cpu":
         return
     import numpy
     import scipy.linalg  # noqa: F401  (loads the library)
@@ -52,6 +63,48 @@ def limit_lapack_threads() -> None:
     scipy_blas = [c for c in controller.lib_controllers if not c.filepath.startswith(numpy_libs)]
     for library in scipy_blas or controller.lib_controllers:
         library.set_num_threads(int(setting))
+
+
+def per_platform(cpu: Callable[..., Any], default: Callable[..., Any]) -> Callable[..., Any]:
+    """`cpu(*args)` in a program lowered for a CPU, `default(*args)` for any other platform.
+
+    The choice is made at lowering time (`jax.lax.platform_dependent`): a program lowered for one
+    platform holds that platform's branch only. Both must return the same shapes and dtypes.
+
+    **Arguments:**
+
+    - `cpu`: the CPU form.
+    - `default`: the form for GPUs, TPUs and any other platform.
+
+    **Returns:**
+
+    A function of the same arguments.
+    """
+
+    def choose(*args: Any) -> Any:
+        return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+
+    return choose
+
+
+def map_slices(fn: Callable[..., Any], *args: Any) -> Any:
+    """`jax.vmap(fn)(*args)`, but one slice at a time (`lax.map`) on CPU.
+
+    For a per-slice function that factorises through LAPACK without going through `eigh` and
+    `spd_inverse` here (a lineax solver's factorisations), so that a stack of matrices never becomes
+    a batched CPU LAPACK call (see the module notes), while GPUs and TPUs get the batched one.
+
+    **Arguments:**
+
+    - `fn`: the function of one slice.
+    - `args`: PyTrees of arrays with a common leading (stack) axis.
+
+    **Returns:**
+
+    The stacked outputs of `fn`.
+    """
+    limit_lapack_threads()
+    return per_platform(lambda *a: jax.lax.map(lambda x: fn(*x), a), jax.vmap(fn))(*args)
 
 
 def _one_matrix_at_a_time(fn: Callable[[Array], tuple[Array, ...]]) -> Callable[[Array], tuple[Array, ...]]:
@@ -76,12 +129,13 @@ def _raw_eigh(matrix: Array) -> tuple[Array, Array]:
 
 def _raw_spd_inverse(matrix: Array) -> tuple[Array]:
     chol = jax.lax.linalg.cholesky(matrix, symmetrize_input=False)
-    eye = jnp.eye(matrix.shape[-1], dtype=matrix.dtype)
+    eye = jnp.broadcast_to(jnp.eye(matrix.shape[-1], dtype=matrix.dtype), matrix.shape)
     return (jsl.cho_solve((chol, True), eye),)
 
 
-_eigh_one_at_a_time = _one_matrix_at_a_time(_raw_eigh)
-_spd_inverse_one_at_a_time = _one_matrix_at_a_time(_raw_spd_inverse)
+# On CPU one matrix per LAPACK call; elsewhere the same functions on the whole batch, one call.
+_eigh = per_platform(_one_matrix_at_a_time(_raw_eigh), _raw_eigh)
+_spd_inverse = per_platform(_one_matrix_at_a_time(_raw_spd_inverse), _raw_spd_inverse)
 
 
 def _transpose(x: Array) -> Array:
@@ -90,12 +144,13 @@ def _transpose(x: Array) -> Array:
 
 @jax.custom_jvp
 def eigh(matrix: Float[Array, "*batch n n"]) -> tuple[Float[Array, "*batch n"], Float[Array, "*batch n n"]]:
-    """The eigendecomposition of symmetric matrices, one LAPACK call per matrix.
+    """The eigendecomposition of symmetric matrices: one LAPACK call per matrix on CPU, batched
+    elsewhere.
 
     The same values as `jnp.linalg.eigh(matrix, symmetrize_input=False)` (the lower triangle is
-    read): ascending eigenvalues and orthonormal eigenvectors as columns. Leading batch axes and
-    `jax.vmap` loop over the matrices instead of making one batched LAPACK call (see the module
-    notes). The derivative is the usual one for distinct eigenvalues; the eigenvector tangents of
+    read): ascending eigenvalues and orthonormal eigenvectors as columns. On CPU, leading batch
+    axes and `jax.vmap` loop over the matrices instead of making one batched LAPACK call; on GPU
+    and TPU they make one batched call (see the module notes). The derivative is the usual one for distinct eigenvalues; the eigenvector tangents of
     equal eigenvalues, where the eigenvectors are not unique, are taken as zero.
 
     **Arguments:**
@@ -106,7 +161,7 @@ def eigh(matrix: Float[Array, "*batch n n"]) -> tuple[Float[Array, "*batch n"], 
 
     `(eigenvalues, eigenvectors)`.
     """
-    return _eigh_one_at_a_time(matrix)
+    return _eigh(matrix)
 
 
 @eigh.defjvp
@@ -126,11 +181,12 @@ def _eigh_jvp(primals, tangents):
 
 @jax.custom_jvp
 def spd_inverse(matrix: Float[Array, "*batch n n"]) -> Float[Array, "*batch n n"]:
-    """The inverse of symmetric positive definite matrices by Cholesky, one LAPACK call per matrix.
+    """The inverse of symmetric positive definite matrices by Cholesky: one LAPACK call per matrix
+    on CPU, batched elsewhere.
 
     Only the lower triangle is read. A matrix that is not positive definite (up to rounding) gives
-    non-finite entries, which callers check. Leading batch axes and `jax.vmap` loop over the
-    matrices (see the module notes).
+    non-finite entries, which callers check. On CPU, leading batch axes and `jax.vmap` loop over
+    the matrices; on GPU and TPU they make one batched call (see the module notes).
 
     **Arguments:**
 
@@ -140,7 +196,7 @@ def spd_inverse(matrix: Float[Array, "*batch n n"]) -> Float[Array, "*batch n n"
 
     Their inverses.
     """
-    (inverse,) = _spd_inverse_one_at_a_time(matrix)
+    (inverse,) = _spd_inverse(matrix)
     return inverse
 
 

@@ -47,6 +47,7 @@ from ..curvature_operators import (
     unflatten_vector as unflatten_vector,
     unstack_block_diagonal,
 )
+from ..._core.linalg import map_slices
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..linear.kronecker import kronecker_eigh
 from .statistics import statistics_dtype
@@ -195,9 +196,10 @@ class CurvatureBlock(eqx.Module):
     def _stacked(self, fn: Callable, *args: Any, one_slice_at_a_time: bool = False) -> Any:
         """Calls the per-slice `fn(*args)`, vmapped over the stack axis for stacked layers.
 
-        With `one_slice_at_a_time`, the slices are visited in a loop (`lax.map`) instead: a
-        lineax solver's factorisations would otherwise become batched LAPACK calls, which can
-        deadlock XLA's CPU thread pool (see `eqx_kfac._core.linalg`). Arguments that are not PyTrees
+        With `one_slice_at_a_time`, the slices are visited in a loop (`lax.map`) on CPU instead
+        (`linalg.map_slices`): a lineax solver's factorisations would otherwise become batched
+        LAPACK calls, which can deadlock XLA's CPU thread pool (see `eqx_kfac._core.linalg`).
+        Arguments that are not PyTrees
         of arrays with a leading stack axis must be closed over.
         """
         if self.spec.stack_size is None:
@@ -207,7 +209,7 @@ class CurvatureBlock(eqx.Module):
             size = self.spec.stack_size
             return jax.tree.map(lambda x: jnp.broadcast_to(x, (size, *x.shape)), fn(*args))
         if one_slice_at_a_time:
-            return jax.lax.map(lambda a: fn(*a), args)
+            return map_slices(fn, *args)
         return jax.vmap(fn)(*args)
 
     def _factorises_with_solver(self, power: Power) -> bool:

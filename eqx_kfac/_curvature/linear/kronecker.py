@@ -6,7 +6,8 @@ eigendecompositions (`KroneckerEigh`), or approximately with pi-adjusted factore
 Numerical safety: factors are symmetrised before any decomposition. If an eigendecomposition of
 finite input comes back non-finite (a known failure of some GPU solvers), it is retried on the
 factor shifted by a small multiple of its scale, and the shift is subtracted from the eigenvalues.
-Inverses of damped factors use block elimination with Cholesky factorisations at the leaves;
+Inverses of damped factors use, on CPU, block elimination with Cholesky factorisations at the
+leaves, and on GPU/TPU one Cholesky factorisation per factor (chosen when the program is lowered);
 if one comes back non-finite (singular or indefinite by rounding), `pi_adjusted_inverse` takes it
 from the eigendecomposition with eigenvalues floored at a relative epsilon (that is, more
 damping), and a cache refresh (`refreshed_inverse_factors`) keeps the previous inverse.
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, ArrayLike, Float
 
-from ..._core.linalg import eigh, spd_inverse
+from ..._core.linalg import eigh, per_platform, spd_inverse
 from .operators import _kron_vectors, _symmetrise, apply_factors, KroneckerOperator
 
 
@@ -273,8 +274,15 @@ def _floored_eigh_inverse(matrix: Array) -> Array:
     return (vecs / vals) @ vecs.T
 
 
+# Block elimination is a CPU choice: its leaves keep XLA:CPU's compile time down and its matrix
+# products keep OpenBLAS's spinning threads out of the way (see `_BLOCK_INVERSE_LEAF`). On a GPU or
+# TPU a Cholesky factorisation of the whole matrix is one solver call (batched over a stack of
+# factors), where the recursion would be a chain of small kernels per level and leaf.
+_spd_inverse_for_platform = per_platform(_block_spd_inverse, spd_inverse)
+
+
 def _invert_damped(damped: Array) -> Array:
-    return 1.0 / damped if damped.ndim == 1 else _block_spd_inverse(damped)
+    return 1.0 / damped if damped.ndim == 1 else _spd_inverse_for_platform(damped)
 
 
 def _damped_inverses(factors: tuple[Array, ...], damping: Array) -> tuple[Array, ...]:
