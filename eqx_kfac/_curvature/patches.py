@@ -110,6 +110,41 @@ def _lhs_spec(ndim: int, data_format: str | None, dimension_numbers: DimensionNu
     return (fmt.index("N"), fmt.index("C"), *spatial)
 
 
+def _pads(
+    padding: Padding,
+    n: int,
+    in_spatial: tuple[int, ...],
+    effective_kernel: tuple[int, ...],
+    strides: tuple[int, ...],
+    inputs_dilation: tuple[int, ...],
+) -> tuple[tuple[int, int], ...]:
+    """The `(low, high)` padding of each spatial dimension, read as `lax.conv_general_dilated`
+    reads `padding` (a string, one integer, or an integer or pair per dimension)."""
+    if isinstance(padding, str):
+        if inputs_dilation != (1,) * n:
+            raise ValueError(
+                f"patches_moments: string padding {padding!r} is undefined with "
+                f"`inputs_dilation` {inputs_dilation} (as in `lax.conv_general_dilated`): give "
+                "explicit (low, high) pairs."
+            )
+        # As `lax.conv_general_dilated` does: string padding is computed from the undilated input.
+        return tuple(
+            tuple(p) for p in lax.padtype_to_pads(in_spatial, effective_kernel, strides, padding)
+        )
+    if isinstance(padding, (int, np.integer)):
+        return ((int(padding), int(padding)),) * n
+    pads = tuple(
+        (int(p), int(p)) if isinstance(p, (int, np.integer)) else (int(p[0]), int(p[1]))
+        for p in padding
+    )
+    if len(pads) != n:
+        raise ValueError(
+            f"patches_moments: `padding` needs one (low, high) pair per spatial dimension "
+            f"({n}), got {padding}."
+        )
+    return pads
+
+
 def _geometry(
     inputs_shape: tuple[int, ...],
     kernel_spatial_shape: IntOrInts,
@@ -140,29 +175,7 @@ def _geometry(
         )
     in_spatial = tuple(inputs_shape[i] for i in lhs_spec[2:])
     effective_kernel = tuple((k - 1) * d + 1 for k, d in zip(kernel, kernel_dilation))
-    if isinstance(padding, str):
-        if inputs_dilation != (1,) * n:
-            raise ValueError(
-                f"patches_moments: string padding {padding!r} is undefined with "
-                f"`inputs_dilation` {inputs_dilation} (as in `lax.conv_general_dilated`): give "
-                "explicit (low, high) pairs."
-            )
-        # As `lax.conv_general_dilated` does: string padding is computed from the undilated input.
-        pads = tuple(
-            tuple(p) for p in lax.padtype_to_pads(in_spatial, effective_kernel, strides, padding)
-        )
-    elif isinstance(padding, (int, np.integer)):
-        pads = ((int(padding), int(padding)),) * n
-    else:
-        pads = tuple(
-            (int(p), int(p)) if isinstance(p, (int, np.integer)) else (int(p[0]), int(p[1]))
-            for p in padding
-        )
-        if len(pads) != n:
-            raise ValueError(
-                f"patches_moments: `padding` needs one (low, high) pair per spatial dimension "
-                f"({n}), got {padding}."
-            )
+    pads = _pads(padding, n, in_spatial, effective_kernel, strides, inputs_dilation)
     dilated = tuple((s - 1) * d + 1 for s, d in zip(in_spatial, inputs_dilation))
     padded = tuple(s + lo + hi for s, (lo, hi) in zip(dilated, pads))
     if any(p < k for p, k in zip(padded, effective_kernel)):

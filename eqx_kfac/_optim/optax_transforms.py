@@ -237,39 +237,63 @@ def kfac_preconditioner(
     )
     estimator = preconditioner.estimator(loss_fn, example_args, "eqx_kfac.kfac_preconditioner")
     preconditioner.check_loss(loss_fn, _loss_of, example_args, estimator)
-    static_model = eqx.filter(example_args[0], eqx.is_inexact_array, inverse=True)
-    num_loss_args = len(example_args) - 1
+    transform = _PreconditionerTransform(
+        preconditioner, estimator, eqx.filter(example_args[0], eqx.is_inexact_array, inverse=True),
+        len(example_args) - 1, damping, l2_reg,
+    )
+    return optax.GradientTransformationExtraArgs(transform.init, transform.update)
 
-    def init_fn(params: PyTree) -> KFACPreconditionerState:
+
+class _PreconditionerTransform(eqx.Module):
+    """`kfac_preconditioner`'s `init` and `update`, over its preconditioner and estimator."""
+
+    preconditioner: Preconditioner
+    estimator: Any
+    static_model: Any
+    num_loss_args: int = eqx.field(static=True)
+    damping: Any
+    l2_reg: Any
+
+    def init(self, params: PyTree) -> KFACPreconditionerState:
         del params
-        return KFACPreconditionerState(jnp.zeros((), jnp.int32), preconditioner.init(estimator))
+        return KFACPreconditionerState(
+            jnp.zeros((), jnp.int32), self.preconditioner.init(self.estimator)
+        )
 
-    def update_fn(
+    def _func_args(self, params: Any, batch: Any, loss_args: Any) -> tuple[Any, ...]:
+        if params is None:
+            raise ValueError(
+                "kfac_preconditioner: update needs the current parameters: call "
+                "`update(grads, state, params, batch=..., key=...)`."
+            )
+        model = eqx.combine(eqx.filter(params, eqx.is_inexact_array), self.static_model)
+        return (model, *_loss_args(self.num_loss_args, batch, loss_args))
+
+    def _key(self, key: PRNGKeyArray | None) -> PRNGKeyArray:
+        mode = self.preconditioner.curvature.estimation_mode
+        if key is None and not mode.endswith("_exact"):
+            raise ValueError(
+                f"kfac_preconditioner: estimation_mode={mode!r} samples, so update needs a PRNG "
+                "key: call `update(grads, state, params, batch=..., key=...)`."
+            )
+        return jax.random.key(0) if key is None else key
+
+    def update(
         # `state` is checked by `_check_state` (a checkpoint restored without a template).
-        updates: PyTree, state: Any, params: PyTree = None, *,
+        self, updates: PyTree, state: Any, params: PyTree = None, *,
         batch: PyTree = None, key: PRNGKeyArray | None = None,
         loss_args: tuple[Any, ...] | None = None, **extra_args: Any,
     ) -> tuple[PyTree, KFACPreconditionerState]:
         # Other transformations of a chain may take extra arguments of their own.
         del extra_args
         _check_state(state)
-        if params is None:
-            raise ValueError(
-                "kfac_preconditioner: update needs the current parameters: call "
-                "`update(grads, state, params, batch=..., key=...)`."
-            )
-        if key is None and not estimation_mode.endswith("_exact"):
-            raise ValueError(
-                f"kfac_preconditioner: estimation_mode={estimation_mode!r} samples, so update "
-                "needs a PRNG key: call `update(grads, state, params, batch=..., key=...)`."
-            )
-        key = jax.random.key(0) if key is None else key
-        model = eqx.combine(eqx.filter(params, eqx.is_inexact_array), static_model)
-        func_args = (model, *_loss_args(num_loss_args, batch, loss_args))
+        func_args = self._func_args(params, batch, loss_args)
+        key = self._key(key)
+        preconditioner, estimator = self.preconditioner, self.estimator
         grads = eqx.filter(updates, eqx.is_inexact_array)
         finite = all_finite(grads)
-        current = damping(state.count) if callable(damping) else damping
-        identity_weight = l2_reg + jnp.asarray(current)
+        damping = self.damping(state.count) if callable(self.damping) else self.damping
+        identity_weight = self.l2_reg + jnp.asarray(damping)
         estimator_state = preconditioner.update_curvature(
             estimator, state.estimator_state, state.count, finite, key, func_args,
             preconditioner.batch_size(estimator, func_args),
@@ -280,8 +304,6 @@ def kfac_preconditioner(
         direction = preconditioner.precondition(estimator, estimator_state, grads, identity_weight, 1.0)
         preconditioned = jax.tree.map(lambda p, g: p.astype(g.dtype), direction.direction, grads)
         return preconditioned, KFACPreconditionerState(optax.safe_increment(state.count), estimator_state)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 class SkipNonFiniteState(eqx.Module):

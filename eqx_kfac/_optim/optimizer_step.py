@@ -134,9 +134,10 @@ def step_body(
 
     `(params, state, stats)`, or `(params, state, func_state, stats)` when `value_func_has_state`.
     """
-    context, key, new_func_state, aux = _evaluate(
-        optimizer, params, state, rng, batch, func_state, given, calibrating
-    )
+    with jax.named_scope("eqx_kfac.loss_and_gradient"):
+        context, key, new_func_state, aux = _evaluate(
+            optimizer, params, state, rng, batch, func_state, given, calibrating
+        )
     guard = optimizer.guard
     finite = jnp.isfinite(context.loss) & all_finite(context.grads) if guard.skip_non_finite else None
     damping = optimizer.damping_rule.value(state.damping_state, context)
@@ -149,15 +150,20 @@ def step_body(
         context.estimator, estimator_state, context.grads, identity_weight,
         optimizer.step_rule.fixed_learning_rate(context), optimizer.axis_name,
     )
-    proposal = optimizer.step_rule(direction.direction, state.step_rule_state, damping, context)
+    with jax.named_scope("eqx_kfac.step_rule"):
+        proposal = optimizer.step_rule(direction.direction, state.step_rule_state, damping, context)
     candidate = _apply(params, proposal.delta)
-    new_loss = context.loss_at(candidate) if guard.reject_loss_increase else None
-    decision = guard.decide(context.loss, context.grads, proposal.delta, new_loss)
+    with jax.named_scope("eqx_kfac.guard"):
+        new_loss = context.loss_at(candidate) if guard.reject_loss_increase else None
+        decision = guard.decide(context.loss, context.grads, proposal.delta, new_loss)
     outcome = StepOutcome(
         proposal.delta, candidate, proposal.coefficients.quad_change, new_loss, decision.applied,
         ~decision.applied,
     )
-    damping_state, report = optimizer.damping_rule.update(state.damping_state, damping, outcome, context)
+    with jax.named_scope("eqx_kfac.damping"):
+        damping_state, report = optimizer.damping_rule.update(
+            state.damping_state, damping, outcome, context
+        )
     batch_size = _distributed.global_batch_size(
         context.implicit.batch_size(context.func_args), optimizer.axis_name
     )

@@ -253,6 +253,7 @@ class Preconditioner(eqx.Module):
         on one device and is shared. A failed inverse keeps its previous value."""
         exact, approx = self.direction.powers_to_cache()
 
+        @jax.named_scope("eqx_kfac.inverse_refresh")
         def refresh(s: EstimatorState) -> EstimatorState:
             if distributed and axis_name is not None:
                 return distributed_update_cache(estimator, s, identity_weight, exact, approx, axis_name)
@@ -270,7 +271,8 @@ class Preconditioner(eqx.Module):
         axis_name: Hashable | None = None,
     ) -> DirectionOutcome:
         """The direction for `grads` (`self.direction` with the schedule's cache)."""
-        return self.direction(
-            estimator, state, grads, identity_weight, learning_rate, self.refresh.use_cached,
-            axis_name,
-        )
+        with jax.named_scope("eqx_kfac.direction"):
+            return self.direction(
+                estimator, state, grads, identity_weight, learning_rate, self.refresh.use_cached,
+                axis_name,
+            )

@@ -154,8 +154,10 @@ class RefreshSchedule(AbstractRefreshSchedule):
                 )
 
             first = step == 0 if finite is None else (step == 0) & finite
-            estimator_state = apply_if(first, burnin, estimator_state)
+            with jax.named_scope("eqx_kfac.burn_in"):
+                estimator_state = apply_if(first, burnin, estimator_state)
 
+        @jax.named_scope("eqx_kfac.curvature_update")
         def periodic_update(state):
             return update(state, self.curvature_ema, step_key, self.max_statistics_growth)
 

@@ -3,7 +3,7 @@
 import dataclasses
 import io
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -124,18 +124,22 @@ def _dense_power(
     return (vectors * (np.maximum(values, 0.0) + damping) ** power) @ vectors.T
 
 
-def _check_algebra(
-    laws: _Laws, block: CurvatureBlock, state: Any, key: PRNGKeyArray, damping: float
-) -> None:
-    vector = random_vector(block, key)
-    raw = _evaluate(block, state, vector, jnp.asarray(damping, block.dtype))
-    out = {k: np.asarray(x, np.float64) for k, x in raw.items()}
-    v = np.asarray(_flat(vector), np.float64)
-    dense = out["dense"]
-    n = block.dim
+class _Dense(NamedTuple):
+    """The reference of one block's laws: its dense matrix, spectrum and the test vector."""
+
+    matrix: np.ndarray
+    values: np.ndarray
+    vectors: np.ndarray
+    damped: np.ndarray
+    kappa: float
+    v: np.ndarray
+
+
+def _check_matrix(laws: _Laws, dense: np.ndarray, n: int, damping: float, v: np.ndarray) -> "_Dense | None":
+    """The laws of `to_dense_matrix` itself; its reference, or `None` when it has the wrong shape."""
     laws.holds("to_dense_matrix is dim × dim", dense.shape == (n, n), f"shape {dense.shape}")
     if dense.shape != (n, n):
-        return
+        return None
     scale = max(np.max(np.abs(dense), initial=0.0), 1.0)
     laws.close("to_dense_matrix is symmetric", dense, dense.T)
     values, vectors = np.linalg.eigh((dense + dense.T) / 2)
@@ -145,91 +149,85 @@ def _check_algebra(
         bool(lowest >= -laws.rtol * n * scale),
         f"smallest eigenvalue {lowest:.3g}",
     )
-    damped = dense + damping * np.eye(n)
     # Rounding in inverses and fractional powers grows with the condition number.
-    kappa = (np.max(values, initial=0.0) + damping) / (
-        max(np.min(values, initial=0.0), 0.0) + damping
-    )
+    kappa = (np.max(values, initial=0.0) + damping) / (max(np.min(values, initial=0.0), 0.0) + damping)
+    return _Dense(dense, values, vectors, dense + damping * np.eye(n), kappa, v)
 
+
+def _check_products(laws: _Laws, out: dict[str, np.ndarray], ref: _Dense, damping: float) -> None:
+    """The laws of the block's products, powers and caches against the dense reference."""
+    v, kappa = ref.v, ref.kappa
     multiply = out["block power 1.0 True"]
-    laws.close("multiply is to_dense_matrix plus damping", multiply, damped @ v)
+    laws.close("multiply is to_dense_matrix plus damping", multiply, ref.damped @ v)
     laws.close("damping adds identity_weight · v", multiply - out["undamped"], damping * v)
     laws.close(
-        "the approximate product without damping is the exact one",
-        out["approximate undamped"],
-        dense @ v,
+        "the approximate product without damping is the exact one", out["approximate undamped"],
+        ref.matrix @ v,
     )
-    laws.close("eigenvalues are those of to_dense_matrix", np.sort(out["eigenvalues"]), values)
+    laws.close("eigenvalues are those of to_dense_matrix", np.sort(out["eigenvalues"]), ref.values)
     for p in _POWERS:
         laws.close(
             "exact powers are the powers of to_dense_matrix plus damping",
-            out[f"block power {p} True"],
-            _dense_power(values, vectors, damping, p) @ v,
-            kappa,
+            out[f"block power {p} True"], _dense_power(ref.values, ref.vectors, damping, p) @ v, kappa,
         )
     for p, q in _COMPOSITIONS:
-        reference = out[f"block power {p + q} True"]
-        laws.close("exact powers add", out[f"compose {p} {q}"], reference, kappa)
+        laws.close("exact powers add", out[f"compose {p} {q}"], out[f"block power {p + q} True"], kappa)
     for exact in (True, False):
         law = "multiply_inverse undoes multiply" + ("" if exact else " (approximate powers)")
         laws.close(law, out[f"round trip {exact}"], v, kappa)
-    laws.close(
-        "cached results equal fresh ones after update_cache",
-        out["cached eigenvalues"],
-        out["fresh eigenvalues"],
-    )
+    law = "cached results equal fresh ones after update_cache"
+    laws.close(law, out["cached eigenvalues"], out["fresh eigenvalues"])
     for p, exact in _CACHED:
-        laws.close(
-            "cached results equal fresh ones after update_cache",
-            out[f"cached {p} {exact}"],
-            out[f"fresh {p} {exact}"],
-            kappa,
-        )
+        laws.close(law, out[f"cached {p} {exact}"], out[f"fresh {p} {exact}"], kappa)
 
-    operator = block.as_linear_operator(state, damping)
+
+def _check_operator(
+    laws: _Laws, out: dict[str, np.ndarray], ref: _Dense, operator: Any, param_shapes: tuple, damping: float
+) -> None:
+    """The laws of `as_linear_operator` against the dense reference and the block's own powers."""
     structure = tuple(tuple(s.shape) for s in jax.tree.leaves(operator.in_structure()))
     laws.holds(
-        "as_linear_operator acts on the block's parameters",
-        structure == block.param_shapes,
-        f"input shapes {structure}, parameters {block.param_shapes}",
+        "as_linear_operator acts on the block's parameters", structure == param_shapes,
+        f"input shapes {structure}, parameters {param_shapes}",
     )
     laws.holds(
         "as_linear_operator is tagged symmetric positive semi-definite",
         lx.is_symmetric(operator) and lx.is_positive_semidefinite(operator),
         "lineax.is_symmetric / is_positive_semidefinite say no",
     )
+    damped, v, kappa, n = ref.damped, ref.v, ref.kappa, ref.matrix.shape[0]
     law = "as_linear_operator is to_dense_matrix plus damping"
-    laws.close(law, out["operator matrix"], damped)
-    laws.close(law, out["operator mv"], damped @ v)
-    laws.close(law, out["operator transpose mv"], damped @ v)
-    laws.close(law, out["operator diagonal"], np.diagonal(damped))
+    for key, expected in (("operator matrix", damped), ("operator mv", damped @ v),
+                          ("operator transpose mv", damped @ v), ("operator diagonal", np.diagonal(damped))):
+        laws.close(law, out[key], expected)
     law = "trace, logdet, Frobenius norm and eigenvalues of the operator are the dense ones"
-    damped_values = np.maximum(values, 0.0) + damping
+    damped_values = np.maximum(ref.values, 0.0) + damping
     laws.close(law, out["operator trace"], np.trace(damped))
     laws.close(law, out["operator frobenius"], np.linalg.norm(damped))
     laws.close(law, np.sort(out["operator eigenvalues"]), damped_values)
     logdet_reference = np.sum(np.log(damped_values))
     laws.holds(
         law,
-        bool(
-            abs(out["operator logdet"] - logdet_reference)
-            <= laws.rtol * kappa * max(n, abs(logdet_reference))
-        ),
+        bool(abs(out["operator logdet"] - logdet_reference) <= laws.rtol * kappa * max(n, abs(logdet_reference))),
         f"logdet {out['operator logdet']:.10g}, dense {logdet_reference:.10g}",
     )
+    law = "matpower of the operator is the block's multiply_matpower"
     for p, exact in _OPERATOR_POWERS:
-        laws.close(
-            "matpower of the operator is the block's multiply_matpower",
-            out[f"operator power {p} {exact}"],
-            out[f"block power {p} {exact}"],
-            kappa,
-        )
-    laws.close(
-        "matpower of the operator is the block's multiply_matpower",
-        out["operator powers add"],
-        out["block power -1.0 True"],
-        kappa,
-    )
+        laws.close(law, out[f"operator power {p} {exact}"], out[f"block power {p} {exact}"], kappa)
+    laws.close(law, out["operator powers add"], out["block power -1.0 True"], kappa)
+
+
+def _check_algebra(
+    laws: _Laws, block: CurvatureBlock, state: Any, key: PRNGKeyArray, damping: float
+) -> None:
+    vector = random_vector(block, key)
+    raw = _evaluate(block, state, vector, jnp.asarray(damping, block.dtype))
+    out = {k: np.asarray(x, np.float64) for k, x in raw.items()}
+    ref = _check_matrix(laws, out["dense"], block.dim, damping, np.asarray(_flat(vector), np.float64))
+    if ref is None:
+        return
+    _check_products(laws, out, ref, damping)
+    _check_operator(laws, out, ref, block.as_linear_operator(state, damping), block.param_shapes, damping)
 
 
 def _slice(data: EstimationData, s: int) -> EstimationData:
