@@ -1,5 +1,6 @@
 """eqx_kfac: K-FAC second-order optimization and curvature estimation for JAX and Equinox."""
 
+from ._core.distributed import sharding_by_size as sharding_by_size
 from ._curvature.blocks import (
     AbstractEigenbasisKFAC as AbstractEigenbasisKFAC,
     Conv2DDiagonal as Conv2DDiagonal,
@@ -22,6 +23,7 @@ from ._curvature.blocks import (
     ScaleAndShiftDiagonal as ScaleAndShiftDiagonal,
     ScaleAndShiftFull as ScaleAndShiftFull,
     ScaledIdentity as ScaledIdentity,
+    WeightedMovingAverage as WeightedMovingAverage,
 )
 from ._tracing.losses.custom import CustomLoss as CustomLoss, register_custom_loss as register_custom_loss
 from ._curvature.curvature_operators import (
@@ -48,6 +50,7 @@ from ._curvature.estimators import (
     Registrations as Registrations,
 )
 from ._curvature.estimators.block_diagonal import (
+    get_default_tag_to_block_ctor as get_default_tag_to_block_ctor,
     set_default_tag_to_block_ctor as set_default_tag_to_block_ctor,
 )
 from ._tracing.graph_matcher import (
@@ -69,6 +72,7 @@ from ._tracing.losses import (
     NormalMeanVarianceNegativeLogProbLoss as NormalMeanVarianceNegativeLogProbLoss,
     OneHotCategoricalLogitsNegativeLogProbLoss as OneHotCategoricalLogitsNegativeLogProbLoss,
     register_categorical_predictive_distribution as register_categorical_predictive_distribution,
+    register_loss as register_loss,
     register_multi_bernoulli_predictive_distribution as register_multi_bernoulli_predictive_distribution,
     register_normal_predictive_distribution as register_normal_predictive_distribution,
     register_sigmoid_cross_entropy_loss as register_sigmoid_cross_entropy_loss,
@@ -110,6 +114,7 @@ from ._optim.damping import (
 from ._optim.direction import (
     AbstractDirection as AbstractDirection,
     DirectionOutcome as DirectionOutcome,
+    norm_constraint_scale as norm_constraint_scale,
     PreconditionedGradient as PreconditionedGradient,
 )
 from ._optim.guard import (
@@ -140,6 +145,9 @@ from ._optim.preconditioner import (
 from ._optim.quadratic_model import (
     approximate_quadratic_model as approximate_quadratic_model,
     exact_quadratic_model as exact_quadratic_model,
+    gram_matrix as gram_matrix,
+    levenberg_marquardt_damping as levenberg_marquardt_damping,
+    quadratic_model as quadratic_model,
     QuadraticModel as QuadraticModel,
     QuadraticModelSolution as QuadraticModelSolution,
     solve_quadratic_model as solve_quadratic_model,

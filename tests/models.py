@@ -17,11 +17,12 @@ from jax.flatten_util import ravel_pytree
 
 from eqx_kfac import (
     LossFunction,
+    register_dense,
+    register_loss,
     register_sigmoid_cross_entropy_loss,
     register_softmax_cross_entropy_loss,
     register_squared_error_loss,
 )
-from eqx_kfac._tracing.tags import loss_tag, register_dense
 
 
 class MLP(eqx.Module):
@@ -281,7 +282,7 @@ def mlp_ggn_only(key, sizes=(3, 4, 2), batch=4):
     def loss_fn(params, data):
         x, t = data
         (pred,) = outputs_fn(params, x)
-        loss_tag.bind(HalfSquaredLoss(pred, t))
+        register_loss(HalfSquaredLoss(pred, t))
         return summed((pred,), data) / x.shape[0]
 
     return Problem(model, (x, t), loss_fn, outputs_fn, summed)

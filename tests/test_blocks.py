@@ -15,7 +15,7 @@ from block_helpers import (
     random_data,
     random_vector,
 )
-from eqx_kfac._curvature.blocks import (
+from eqx_kfac import (
     DenseDiagonal,
     DenseFull,
     DenseTwoKroneckerFactored,

@@ -1,4 +1,5 @@
-"""The step's in-graph control flow: `apply_if` and `periodic` take the branch they should."""
+"""The step's in-graph control flow and gates (internal helpers, tested on purpose): `apply_if`
+and `periodic` take the branch they should, `all_finite` sees every inexact leaf."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from eqx_kfac._core.control_flow import apply_if, periodic
+from eqx_kfac._core.tree import all_finite
 
 
 def _refresh(tree):
@@ -57,3 +59,9 @@ def test_periodic_runs_on_multiples_of_its_period_where_the_gate_holds(getkey, p
         expected = _refresh(tree) if due else tree
         for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
             np.testing.assert_array_equal(got, want)
+
+
+def test_all_finite():
+    assert bool(all_finite({"a": jnp.ones(2), "b": None, "n": jnp.arange(3)}))
+    assert not bool(all_finite({"a": jnp.array([1.0, jnp.inf])}))
+    assert not bool(all_finite([jnp.ones(2), jnp.array(jnp.nan)]))

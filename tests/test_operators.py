@@ -1,4 +1,5 @@
-"""Tests for `eqx_kfac._curvature.linear` against dense numpy references.
+"""Tests for `eqx_kfac._curvature.linear` against dense numpy references (internal on purpose: the
+factor-wise damped powers and pi-adjusted inverses under the public operators and blocks).
 
 Random PSD factors are built as `Q diag(s) Qᵀ` with controlled eigenvalues `s`, so each test can
 state the conditioning its tolerance relies on.

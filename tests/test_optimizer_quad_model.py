@@ -1,8 +1,7 @@
-"""The quadratic-model and damping math of `_optim/quadratic_model.py`, against numpy written from
-the formulas and, for bounded coefficients, against SciPy's bounded minimiser.
-
-(Imports private helpers on purpose: `gram_matrix`, `levenberg_marquardt_damping` and
-`norm_constraint_scale` are the formulas the parts are built from.)
+"""The quadratic-model and damping math (`eqx_kfac.quadratic_model`, `gram_matrix`,
+`solve_quadratic_model`, `levenberg_marquardt_damping`, `norm_constraint_scale`: the formulas the
+parts are built from), against numpy written from the formulas and, for bounded coefficients,
+against SciPy's bounded minimiser.
 """
 
 import jax
@@ -14,9 +13,7 @@ from hypothesis import given, strategies as st
 import scipy.optimize
 
 from eqx_kfac import CoefficientRange, QuadraticModel, solve_quadratic_model
-from eqx_kfac._core.tree import all_finite
-from eqx_kfac._optim.direction import norm_constraint_scale
-from eqx_kfac._optim.quadratic_model import gram_matrix, levenberg_marquardt_damping, quadratic_model
+from eqx_kfac import gram_matrix, levenberg_marquardt_damping, norm_constraint_scale, quadratic_model
 
 
 def _random_model(seed, n=2):
@@ -169,9 +166,3 @@ def test_norm_constraint_scale():
     np.testing.assert_allclose(scale, 0.5)
     scale, _ = norm_constraint_scale(8.0, 0.5, 10.0)
     assert float(scale) == 1.0
-
-
-def test_all_finite():
-    assert bool(all_finite({"a": jnp.ones(2), "b": None, "n": jnp.arange(3)}))
-    assert not bool(all_finite({"a": jnp.array([1.0, jnp.inf])}))
-    assert not bool(all_finite([jnp.ones(2), jnp.array(jnp.nan)]))

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from eqx_kfac._curvature import patches as _patches
 from eqx_kfac import patches_moments, patches_moments_explicit
 
 
@@ -146,6 +145,10 @@ def _num_chunks(x, **kwargs):
     return scan.params["length"]
 
 
+# The documented budget of `method="auto"`: chunks of examples whose patches take at most 8 MiB.
+CHUNK_BYTES = 8 * 2**20
+
+
 @pytest.mark.parametrize(
     "shape, kernel, strides",
     [((128, 16, 8, 8), 3, 1), ((256, 64, 32, 32), 3, 1), ((64, 3, 224, 224), 7, 2), ((2, 1, 4, 4), 1, 1)],
@@ -155,7 +158,7 @@ def test_auto_chunks_the_batch_only_when_its_patches_exceed_the_budget(shape, ke
     kwargs = dict(kernel_spatial_shape=kernel, strides=strides, padding="SAME", data_format="NCHW")
     out_locations = math.prod(-(-s // strides) for s in shape[2:])
     example_bytes = out_locations * kernel**2 * shape[1] * 4
-    per_chunk = max(1, _patches._CHUNK_BYTES // example_bytes)
+    per_chunk = max(1, CHUNK_BYTES // example_bytes)
     assert _num_chunks(x, **kwargs) == -(-shape[0] // per_chunk)
     assert _num_chunks(x, method="patches", **kwargs) == 1
 

@@ -62,6 +62,26 @@ def set_default_tag_to_block_ctor(tag_name: str, block_ctor: BlockCtor) -> None:
     DEFAULT_TAG_TO_BLOCK_CTOR[tag_name] = block_ctor
 
 
+def get_default_tag_to_block_ctor(tag_name: str) -> BlockCtor:
+    """The block an estimator gives a tag that `layer_tag_to_block_ctor` does not name (kfac-jax's
+    function of this name).
+
+    **Arguments:**
+
+    - `tag_name`: a tag's name (`"dense"`, `"conv2d"`, ...) or a `register_dense` variant.
+
+    **Returns:**
+
+    The block class (or `LayerSpec -> CurvatureBlock` callable).
+    """
+    if tag_name not in DEFAULT_TAG_TO_BLOCK_CTOR:
+        raise ValueError(
+            f"No default block for tag {tag_name!r}; the tags with one are "
+            f"{sorted(DEFAULT_TAG_TO_BLOCK_CTOR)}. Set one with set_default_tag_to_block_ctor."
+        )
+    return DEFAULT_TAG_TO_BLOCK_CTOR[tag_name]
+
+
 def _choose_ctor(
     spec: LayerSpec,
     layer_tag_to_block_ctor: Mapping[str, BlockCtor],

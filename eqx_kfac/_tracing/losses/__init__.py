@@ -22,6 +22,7 @@ from .normal import (
 )
 from .registration import (
     register_categorical_predictive_distribution as register_categorical_predictive_distribution,
+    register_loss as register_loss,
     register_multi_bernoulli_predictive_distribution as register_multi_bernoulli_predictive_distribution,
     register_normal_predictive_distribution as register_normal_predictive_distribution,
     register_sigmoid_cross_entropy_loss as register_sigmoid_cross_entropy_loss,

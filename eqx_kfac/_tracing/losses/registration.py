@@ -16,6 +16,22 @@ def _register(loss: LossFunction) -> Array:
     return _tags.loss_tag.bind(loss)[0]
 
 
+def register_loss(loss: LossFunction) -> tuple[Array, ...]:
+    """Registers a loss object of your own (a `LossFunction` or `NegativeLogProbLoss` subclass).
+
+    The built-in `register_*` functions build a loss object and register it this way. Call it
+    inside the loss function, on a loss whose inputs are the model's outputs; the curvature is
+    then the loss's own (`multiply_ggn`, `multiply_fisher`, their factors, ...).
+
+    **Arguments:**
+
+    - `loss`: the loss object, with its inputs (and targets, if any) set.
+
+    **Returns:** `loss.inputs`, unchanged (use the returned values: they carry the registration).
+    """
+    return _tags.loss_tag.bind(loss)
+
+
 def register_normal_predictive_distribution(
     mean: Float[Array, "*batch d"],
     targets: Float[Array, "*batch d"] | None = None,
