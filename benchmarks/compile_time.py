@@ -32,11 +32,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
 import eqx_kfac
 from benchmarks import model_zoo as zoo, step_time
-from benchmarks.harness import Problem, full_batch, make_optimizer
+from benchmarks.harness import Problem, full_batch, make_optimizer, step_parts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -110,13 +109,7 @@ def breakdown(name: str) -> dict[str, tuple[float, float]]:
         lambda s, g: block_diagonal.multiply_matpower(s, g, 1.0, -1, False, True), estimator_state, grads
     )
     def quadratic_model(args, g):
-        context = eqx_kfac.StepContext(
-            jnp.zeros((), int), jnp.zeros((), int), args, jnp.zeros(()), g, block_diagonal,
-            estimator_state, implicit, optimizer.preconditioner.curvature.estimation_mode,
-            optimizer.l2_reg, None, optimizer.function.value, lambda out: out,
-            eqx_kfac.GivenValues(),
-        )
-        return eqx_kfac.exact_quadratic_model(context, [g, g])
+        return step_parts.quadratic_model(optimizer, estimator_state, args, g, [g, g])
 
     times["quadratic model"] = compile_seconds(quadratic_model, func_args, grads)
     return times
