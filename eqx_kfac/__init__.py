@@ -194,6 +194,14 @@ from ._curvature.solvers import (
     solve as solve,
     solve_block as solve_block,
 )
+from ._tracing.layer_registration import (
+    register_conv2d as register_conv2d,
+    register_dense as register_dense,
+    register_embedding as register_embedding,
+    register_generic as register_generic,
+    register_repeated_dense as register_repeated_dense,
+    register_scale_and_shift as register_scale_and_shift,
+)
 from ._tracing.tags import (
     conv2d_tag as conv2d_tag,
     dense_tag as dense_tag,
@@ -201,12 +209,6 @@ from ._tracing.tags import (
     generic_tag as generic_tag,
     LayerTag as LayerTag,
     LossTag as LossTag,
-    register_conv2d as register_conv2d,
-    register_dense as register_dense,
-    register_embedding as register_embedding,
-    register_generic as register_generic,
-    register_repeated_dense as register_repeated_dense,
-    register_scale_and_shift as register_scale_and_shift,
     scale_and_shift_tag as scale_and_shift_tag,
 )
 from ._tracing.tracer import (

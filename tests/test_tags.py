@@ -11,6 +11,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
+from eqx_kfac._tracing.layer_registration import (
+    register_conv2d,
+    register_dense,
+    register_generic,
+    register_scale_and_shift,
+)
 from eqx_kfac._tracing.tags import (
     LayerTag,
     conv2d_tag,
@@ -20,10 +26,6 @@ from eqx_kfac._tracing.tags import (
     is_loss_tag_eqn,
     layer_tag_of,
     loss_tag,
-    register_conv2d,
-    register_dense,
-    register_generic,
-    register_scale_and_shift,
     scale_and_shift_tag,
 )
 

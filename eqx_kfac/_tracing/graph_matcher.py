@@ -65,17 +65,14 @@ from .graph_patterns import (
 from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr
 from .liveness import inner_jaxpr, LiveTable, liveness
 from .pattern_matching import _Graph, _Matcher, _pattern_graphs, is_transparent
+from .layer_registration import bind_dense, register_conv2d, register_embedding, register_scale_and_shift
 from .tags import (
     conv2d_tag,
     dense_tag,
     embedding_tag,
     generic_tag,
     is_loss_tag_eqn,
-    bind_dense,
     layer_tag_of,
-    register_conv2d,
-    register_embedding,
-    register_scale_and_shift,
     scale_and_shift_tag,
 )
 
@@ -366,7 +363,8 @@ def auto_register_tags(
     traces `func` (once per call; call it inside the trace that needs the tags, e.g. under
     `jax.make_jaxpr` or `jax.jit`), finds the layers, and evaluates `func`'s jaxpr with a layer tag
     bound on each layer found (origin: the pattern's name). Tags already in `func` (manual
-    registration) are kept and their parameters are not matched again. Every parameter no tag
+    registration) are kept and their parameters are not matched again (a layer tag whose outputs
+    the losses do not depend on, e.g. in a second evaluation of the network, registers nothing). Every parameter no tag
     claims gets a `generic` tag of its own, whose origin says why: `"unused"` (the registered
     losses do not depend on it), `"unmatched"` (no pattern matched its use), `"unregistered"`
     (`register_only_generic`), or `"shared"`: a parameter used in more than one place that the
