@@ -1,12 +1,41 @@
 """PyTree helpers that optax.tree does not provide (its `vdot`, `norm` and friends are used directly)."""
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, PyTree
+
+
+def flat_rows(trees: Sequence[PyTree[Array]], batch_dims: int = 0) -> Array:
+    """The inexact array leaves of each tree raveled and concatenated into one row per tree:
+    `(len(trees), D)`, in the promoted dtype of all leaves; with `batch_dims=1`, each tree's
+    leaves share a leading axis of rows, which is kept (`(len(trees) · rows, D)`).
+
+    One concatenated array instead of one operation per leaf: reductions and inner products over
+    a PyTree then compile to one kernel (XLA compiles each per-leaf reduction into several).
+
+    **Arguments:**
+
+    - `trees`: PyTrees of the same structure.
+    - `batch_dims`: `0`, or `1` when the leaves carry a leading axis of rows.
+
+    **Returns:**
+
+    A 2-D array.
+    """
+    rows = []
+    for tree in trees:
+        leaves = [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
+        lead = leaves[0].shape[0] if batch_dims and leaves else 1
+        rows.append([jnp.reshape(x, (lead, -1)) for x in leaves])
+    dtype = jnp.result_type(*[x for row in rows for x in row], jnp.float32)
+    return jnp.concatenate(
+        [jnp.concatenate([x.astype(dtype) for x in row], axis=1) for row in rows if row]
+        or [jnp.zeros((len(trees), 0), dtype)]
+    )
 
 
 def all_finite(tree: PyTree) -> Bool[Array, ""]:
@@ -21,7 +50,9 @@ def all_finite(tree: PyTree) -> Bool[Array, ""]:
     A boolean scalar.
     """
     leaves = [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
-    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.isfinite(jnp.concatenate([jnp.ravel(x).astype(jnp.result_type(*leaves)) for x in leaves])))
 
 
 def scale_keeping_dtypes(tree: PyTree[Array], factor: ArrayLike) -> PyTree[Array]:

@@ -191,8 +191,9 @@ def kfac_preconditioner(
     - `on_unmatched`: what to do when a parameter falls back to a generic (diagonal) block
       because no layer accounts for it: `"warn"` (a `UserWarning` naming the parameters),
       `"error"` or `"ignore"`; see `BlockDiagonalCurvature`.
-    - `max_statistics_growth`: a batch that makes a block's statistics grow in norm by more
-      than this factor is not folded in (an outlier batch); `None` folds in every finite batch.
+    - `max_statistics_growth`: a batch that makes the statistics (all blocks together) grow in norm
+      by more than this factor is not folded in (an outlier batch); `None` folds in every finite
+      batch.
 
     **Faults.** A step whose gradient is not finite folds nothing into the curvature and leaves
     the cached inverses as they are; a batch whose statistics are not finite (e.g. inputs so

@@ -32,7 +32,7 @@ from .._core.control_flow import select_changed
 from .._core.tree import signature
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
 from .arguments import check_batch, check_func_state, check_params, check_scalar_loss, params_signature
-from .compilation import compiled_step, jitted_burnin
+from .compilation import compiled_step, initial_state, jitted_burnin
 from .damping import AbstractDampingRule
 from .direction import AbstractDirection
 from .guard import StepGuard
@@ -93,6 +93,7 @@ class Optimizer(eqx.Module):
     include_norms_in_stats: bool = eqx.field(static=True)
     include_per_param_norms_in_stats: bool = eqx.field(static=True)
     distributed_inverses: bool = eqx.field(static=True)
+    shard_state: bool = eqx.field(static=True)
     calibrate_initial_damping: bool = eqx.field(static=True)
     donated: tuple[int, ...] = eqx.field(static=True)
 
@@ -140,6 +141,7 @@ class Optimizer(eqx.Module):
         skip_non_finite: bool = True,
         *,
         use_step_rejection: bool | None = None,
+        shard_state: bool = False,
         use_initial_damping_calibration: bool = False,
         reject_damping_increase_factor: float = 2.0,
         raise_damping_at_once: bool = False,
@@ -195,11 +197,12 @@ class Optimizer(eqx.Module):
           `inverse_update_period`, `num_burnin_steps`, `use_exact_inverses`, `norm_constraint`,
           `inverse_solver`, `layer_tag_to_block_ctor`, `index_to_block_ctor`, `graph_patterns`,
           `register_only_generic`, `patterns_to_skip`, `auto_register_kwargs`, `on_unmatched`,
-          `batch_size_extractor`, `max_statistics_growth` (a batch that makes a block's
-          statistics grow in norm by more than this factor is not folded in: an outlier batch;
+          `batch_size_extractor`, `max_statistics_growth` (a batch that makes the statistics,
+          all blocks together, grow in norm by more than this factor is not folded in: an outlier batch;
           `None` folds in every finite batch).
         - Devices: `multi_device`, `mesh`, `pmap_axis_name`, `distributed_inverses`,
-          `distributed_precon_apply`; buffers: `donate_parameters`, `donate_optimizer_state`,
+          `distributed_precon_apply`, `shard_state` (with `multi_device`: the state sharded over
+          the mesh and the step one SPMD program, see the "Multi-device" page); buffers: `donate_parameters`, `donate_optimizer_state`,
           `donate_batch_inputs`, `donate_func_state`.
         - `value_func`, `value_func_for_estimator`, `batch_process_func`,
           `include_norms_in_stats`, `include_per_param_norms_in_stats`.
@@ -214,6 +217,8 @@ class Optimizer(eqx.Module):
         parts = parts_from_keywords(keywords, given)
         if mesh is not None:
             _distributed.check_mesh(mesh, pmap_axis_name)
+        if shard_state and not multi_device:
+            raise ValueError("shard_state=True shards the state over the devices: it needs multi_device=True.")
         self.function = _value_function(
             value_and_grad_func, value_func, value_func_for_estimator,
             (value_func_has_aux, value_func_has_state, value_func_has_rng), batch_process_func,
@@ -240,6 +245,7 @@ class Optimizer(eqx.Module):
         self.include_norms_in_stats = include_norms_in_stats
         self.include_per_param_norms_in_stats = include_per_param_norms_in_stats
         self.distributed_inverses = distributed_inverses
+        self.shard_state = shard_state
         if use_initial_damping_calibration and not (use_adaptive_damping or damping_rule is not None):
             raise ValueError(
                 "use_initial_damping_calibration=True calibrates the adaptive damping's start: it "
@@ -261,8 +267,9 @@ class Optimizer(eqx.Module):
 
     @property
     def axis_name(self) -> str | None:
-        """The data axis inside the step, `None` on one device."""
-        return self.pmap_axis_name if self.multi_device else None
+        """The data axis inside the step, `None` on one device (and in the SPMD program of
+        `shard_state`, which is written for global arrays)."""
+        return self.pmap_axis_name if self.multi_device and not self.shard_state else None
 
     def estimators(
         self, func_args: Sequence[Any]
@@ -320,16 +327,20 @@ class Optimizer(eqx.Module):
             self.preconditioner.check_loss(self.function.value, self.function.loss_of, func_args, estimator)
         filtered = eqx.filter(params, eqx.is_inexact_array)
         dtype = jnp.result_type(*jax.tree.leaves(filtered), jnp.float32)
-        return OptimizerState(
-            step_rule_state=self.step_rule.init(filtered),
-            damping_state=self.damping_rule.init(dtype),
-            guard_state=self.guard.init(),
-            estimator_state=self.preconditioner.init(estimator, rng),
-            examples_seen=ExampleCount.zero(),
-            step_counter=jnp.zeros((), jnp.int32),
-            batch_signature=signature(batch),
-            params_signature=params_signature(params),
-        )
+
+        def build(filtered: PyTree, rng: PRNGKeyArray) -> OptimizerState:
+            return OptimizerState(
+                step_rule_state=self.step_rule.init(filtered),
+                damping_state=self.damping_rule.init(dtype),
+                guard_state=self.guard.init(),
+                estimator_state=self.preconditioner.init(estimator, rng),
+                examples_seen=ExampleCount.zero(),
+                step_counter=jnp.zeros((), jnp.int32),
+                batch_signature=signature(batch),
+                params_signature=params_signature(params),
+            )
+
+        return initial_state(self, build, filtered, rng)
 
     def _check_step_arguments(self, params: Any, state: Any, func_state: Any, given: GivenValues) -> None:
         if not isinstance(state, OptimizerState):

@@ -20,11 +20,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PyTree
 
 from .._core import distributed as _distributed
+from .._core.tree import flat_rows
 from .hyperparameters import CoefficientRange
 from .step_context import StepContext
 
@@ -64,8 +64,9 @@ def gram_matrix(
 ) -> Float[Array, "n n"]:
     """The symmetric matrix of inner products `M[i, j] = ⟨vectors[i], others[j]⟩`.
 
-    Only `i <= j` is computed; the rest is mirrored, which is exact when `others[j]` is `S
-    vectors[j]` for a symmetric `S` (or `others` is `vectors`).
+    Only `i <= j` is taken; the rest is mirrored, which is exact when `others[j]` is `S
+    vectors[j]` for a symmetric `S` (or `others` is `vectors`). All the products are one matrix
+    product of the concatenated vectors.
 
     **Arguments:**
 
@@ -76,14 +77,11 @@ def gram_matrix(
 
     An `(n, n)` matrix.
     """
-    others = vectors if others is None else others
-    n = len(vectors)
-    rows: list[list[Array]] = [[jnp.zeros(())] * n for _ in range(n)]
-    for i in range(n):
-        for j in range(i, n):
-            rows[i][j] = optax.tree.vdot(vectors[i], others[j])
-            rows[j][i] = rows[i][j]
-    return jnp.asarray(rows)
+    rows = flat_rows(vectors)
+    columns = rows if others is None else flat_rows(others)
+    products = jnp.matmul(rows, columns.T, precision=jax.lax.Precision.HIGHEST)
+    upper = jnp.triu(products)
+    return upper + jnp.triu(products, 1).T
 
 
 def quadratic_model(
@@ -105,7 +103,7 @@ def quadratic_model(
     A `QuadraticModel` (every parameter is L2-regularised, so `r = d = Vᵀ V`).
     """
     gram = gram_matrix(vectors)
-    b = jnp.stack([optax.tree.vdot(v, grads) for v in vectors])
+    b = jnp.matmul(flat_rows(vectors), flat_rows([grads])[0], precision=jax.lax.Precision.HIGHEST)
     dtype = jnp.result_type(curvature, gram, b)
     gram = gram.astype(dtype)
     return QuadraticModel(curvature.astype(dtype), gram, gram, b.astype(dtype))
@@ -276,9 +274,8 @@ def exact_quadratic_model(context: StepContext, vectors: Sequence[Any]) -> Quadr
     # (under `vmap` only the tangents carry the batch axis).
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *tangents)
     products = jax.vmap(lambda v: factor(context.func_args, v))(stacked)
-    curvature = gram_matrix(
-        [jax.tree.map(lambda x, i=i: x[i], products) for i in range(len(vectors))]
-    )
+    rows = flat_rows([products], batch_dims=1)
+    curvature = jnp.matmul(rows, rows.T, precision=jax.lax.Precision.HIGHEST)
     curvature = _distributed.pmean(curvature, context.axis_name)
     return quadratic_model(vectors, context.grads, curvature)
 

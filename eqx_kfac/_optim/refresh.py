@@ -74,10 +74,11 @@ class RefreshSchedule(AbstractRefreshSchedule):
       nothing and computes the inverses in every step.
     - `curvature_ema`: the decay of the moving averages (a number, or an array such as an
       injected hyperparameter).
-    - `max_statistics_growth`: a periodic update whose batch makes a block's statistics grow in
-      norm by more than this factor is dropped (an outlier batch, e.g. inputs 1e10 times their
-      usual size, whose statistics would otherwise dominate the moving averages for hundreds of
-      steps); `None` folds in every finite batch. A number or an array, like `curvature_ema`.
+    - `max_statistics_growth`: a periodic update whose batch makes the statistics (all blocks
+      together) grow in norm by more than this factor is dropped (an outlier batch, e.g. inputs
+      1e10 times their usual size, whose statistics would otherwise dominate the moving averages
+      for hundreds of steps); `None` folds in every finite batch. A number or an array, like
+      `curvature_ema`.
     """
 
     num_burnin_steps: int = eqx.field(static=True, default=10)

@@ -17,7 +17,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ..._core.tree import all_finite
+from ..._core.tree import all_finite, flat_rows
 from ..blocks.base import CurvatureBlock, PowersLike
 from ..linear.operators import BlockDiagonalOperator
 from ..._tracing.tracer import trace
@@ -121,14 +121,15 @@ class EstimatorState(eqx.Module):
 
 
 def _grows_beyond(pairs: Sequence[tuple[Array, Array]], factor: ArrayLike) -> Bool[Array, ""]:
-    """Whether any new statistic's norm exceeds `factor` times its old, non-zero norm (an outlier
-    batch: e.g. inputs 1e10 times their usual size give factors 1e20 times their average)."""
-    grows = jnp.zeros((), bool)
-    for new, old in pairs:
-        old_sq = jnp.sum(jnp.square(old.astype(jnp.float32)))
-        new_sq = jnp.sum(jnp.square(new.astype(jnp.float32)))
-        grows |= (old_sq > 0) & (new_sq > factor**2 * old_sq)
-    return grows
+    """Whether the new statistics' norm exceeds `factor` times the old, non-zero norm (an outlier
+    batch: e.g. inputs 1e10 times their usual size give factors 1e20 times their average).
+
+    One norm over all the statistics (two reductions for the whole estimator; per-block norms
+    cost a tenth of a deep MLP's compiled step): an outlier in one layer's statistics dominates it.
+    """
+    rows = flat_rows([[n for n, _ in pairs], [o for _, o in pairs]]).astype(jnp.float32)
+    new_sq, old_sq = jnp.sum(jnp.square(rows), axis=1)
+    return (old_sq > 0) & (new_sq > jnp.asarray(factor, jnp.float32) ** 2 * old_sq)
 
 
 def _per_block(value: Any, num_blocks: int, name: str) -> tuple[Any, ...]:
@@ -294,8 +295,8 @@ class AbstractCurvatureEstimator(eqx.Module):
           axis name: the new statistics are averaged over it, so every device ends with the
           statistics of the whole batch (`batch_size` is then the per-device batch size).
         - `max_statistics_growth`: drop the batch (keep every block's statistics, count it in
-          `dropped_updates`) when it makes a block's statistics grow in norm by more than this
-          factor: an outlier batch. `None` never drops a finite batch. A batch whose statistics
+          `dropped_updates`) when it makes the statistics (all blocks' together) grow in norm by
+          more than this factor: an outlier batch. `None` never drops a finite batch. A batch whose statistics
           are not finite is always dropped.
 
         **Returns:**
@@ -314,8 +315,8 @@ class AbstractCurvatureEstimator(eqx.Module):
 
         The old state is replicated, so averaging the updated moving averages over devices is
         the same as averaging the new statistics: `ema_old·s + ema_new·mean_d(x_d)`. A batch whose
-        statistics are not finite (on any device), or (with `max_growth`) make a block's
-        statistics grow by more than `max_growth` in norm, is dropped: every block keeps its
+        statistics are not finite (on any device), or (with `max_growth`) make the statistics
+        grow by more than `max_growth` in norm, is dropped: every block keeps its
         previous statistics, and `dropped_updates` counts it.
         """
         old, treedef = jax.tree.flatten(state.block_states)

@@ -324,9 +324,10 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
         - `estimation_mode`: one of the estimation modes; `None` uses `default_estimation_mode`.
         - `axis_name`: inside `shard_map`/`pmap` over a batch split across devices, the mapped axis
           name: the new statistics are averaged over it (`batch_size` is then per device).
-        - `max_statistics_growth`: drop a batch that makes a block's statistics grow in norm by
-          more than this factor (an outlier batch; `None`: never). A batch whose statistics are
-          not finite is always dropped. Dropped batches are counted in `dropped_updates`.
+        - `max_statistics_growth`: drop a batch that makes the statistics (all blocks together)
+          grow in norm by more than this factor (an outlier batch; `None`: never). A batch whose
+          statistics are not finite is always dropped. Dropped batches are counted in
+          `dropped_updates`.
 
         **Returns:**
 
