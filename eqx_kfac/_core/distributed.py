@@ -1,12 +1,14 @@
-"""Multi-device execution: the `shard_map` step, cross-device reductions, block work spread over devices.
+"""Multi-device execution: the `shard_map` step, the sharded (SPMD) step, cross-device reductions,
+block work spread over devices.
 
-The optimizer's step runs once per device under `jax.shard_map`: parameters and optimizer state are
-replicated, the batch is split along its first axis over the data axis of the mesh. Every quantity
-that depends on the batch (loss, gradients, curvature statistics, quadratic-model products) is
-averaged over that axis; the per-device batches all have the same size, so the plain mean over
-devices is the mean over the global batch. The step runs with `check_vma=False` (the per-device
-semantics of `pmap`): with varying-axis checks, JAX inserts `pvary` on the replicated parameters
-wherever they meet the batch, and the layer patterns would no longer see an Equinox layer.
+**Replicated state (`shard_map`).** The optimizer's step runs once per device under
+`jax.shard_map`: parameters and optimizer state are replicated, the batch is split along its first
+axis over the data axis of the mesh. Every quantity that depends on the batch (loss, gradients,
+curvature statistics, quadratic-model products) is averaged over that axis; the per-device batches
+all have the same size, so the plain mean over devices is the mean over the global batch. The step
+runs with `check_vma=False` (the per-device semantics of `pmap`): with varying-axis checks, JAX
+inserts `pvary` on the replicated parameters wherever they meet the batch, and the layer patterns
+would no longer see an Equinox layer.
 
 Cache updates (inverses, eigendecompositions) and preconditioner products can be spread over the
 devices: each block is given to one device (greedily balancing a cost estimate), the owner computes
@@ -14,6 +16,14 @@ it, and a `psum` of the owner's result with zeros elsewhere hands it to every de
 
 All helpers take `axis_name=None` to mean "one device", where they are the identity, so the
 optimizer's step reads the same for one and many devices.
+
+**Sharded state (SPMD).** With the state sharded, the step is one program over global arrays
+(`spmd_call`), written as for one device, and JAX's SPMD partitioner splits it over the mesh: the
+batch along its first axis over the data axis, the optimizer state by `sharding_by_size` over every
+axis of the mesh (each array along its largest axis that divides evenly, matrices of a stack along
+the stack first), the parameters as the caller placed them. No array of the state is whole on any
+device between steps; the partitioner gathers a factor where a computation needs all of it (a
+factorisation) and reduces the statistics of the batch shards into their owners' shards.
 """
 
 import heapq
@@ -25,10 +35,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 from jaxtyping import Array, PRNGKeyArray, PyTree
-
 
 
 def data_mesh(axis_name: Hashable, devices: Sequence[Any] | None = None) -> Mesh:
@@ -308,3 +317,148 @@ def sharded_call(
     )
     out_dynamic = mapped(dynamic)
     return eqx.combine(out_dynamic, out_static[0])
+
+
+# --- the sharded (SPMD) step ----------------------------------------------------------------
+
+
+def _spec(shape: tuple[int, ...], sizes: dict[Hashable, int]) -> PartitionSpec:
+    """Mesh axes given to the axes of an array of `shape`, greedily, largest mesh axis first.
+
+    Each mesh axis goes to the first array axis (in order of preference) whose size it divides
+    together with the mesh axes given to it already (JAX shards evenly only); a mesh axis that
+    divides none is left out (the array is replicated over it). Preference: for a stack of square
+    matrices `(..., n, n)` the stack axes first (each device then factorises whole matrices of its
+    own, which the partitioner can do where they lie), then the largest axes.
+    """
+    stacked = len(shape) >= 3 and shape[-1] == shape[-2]
+    stack_axes = list(range(len(shape) - 2)) if stacked else []
+    rest = sorted(set(range(len(shape))) - set(stack_axes), key=lambda i: (-shape[i], i))
+    given: list[list[Hashable]] = [[] for _ in shape]
+    for name in sorted(sizes, key=lambda n: -sizes[n]):
+        for i in stack_axes + rest:
+            if shape[i] % (math.prod(sizes[n] for n in given[i]) * sizes[name]) == 0:
+                given[i].append(name)
+                break
+    if not any(given):
+        return PartitionSpec()
+    return PartitionSpec(*(None if not g else g[0] if len(g) == 1 else tuple(g) for g in given))
+
+
+def sharding_by_size(
+    tree: PyTree, mesh: Mesh, axis_names: Sequence[Hashable] | None = None
+) -> PyTree:
+    """A sharding for every array of `tree`, spreading it over the devices of `mesh` (FSDP-style).
+
+    Each mesh axis of `axis_names` splits one axis of the array, the largest mesh axes first, each
+    going to the first array axis whose size it divides evenly (with the mesh axes given to that
+    axis already): a `(2048, 8192)` weight on a 2 x 4 mesh is split 8 ways along its 8192 axis,
+    every device holding `1/8` of it. A mesh axis that divides no axis of the array replicates it
+    over that mesh axis (JAX arrays shard evenly only): scalars, and dimensions like the `in + 1`
+    rows of a biased layer's input factor, stay whole. For a stack of square matrices
+    `(..., n, n)` (the factors of scan-stacked layers) the stack axes come first, then the rows: a
+    device then factorises whole matrices of its own. The result depends on the shapes and the
+    mesh only, so it is the same for the optimizer's state at `init` and after every step.
+
+    **Arguments:**
+
+    - `tree`: a PyTree (parameters, an optimizer state); its arrays and `jax.ShapeDtypeStruct`s
+      get shardings, other leaves `None`.
+    - `mesh`: the device mesh.
+    - `axis_names`: the mesh axes to spread over (default: all of them, data and model axes).
+
+    **Returns:**
+
+    A PyTree of the structure of `tree` with a `jax.sharding.NamedSharding` for every array (to
+    pass to `eqx.filter_shard` or `jax.device_put`) and `None` elsewhere.
+    """
+    names = tuple(mesh.axis_names if axis_names is None else axis_names)
+    sizes = {name: mesh.shape[name] for name in names}
+
+    def leaf(x: Any) -> NamedSharding | None:
+        if not (eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
+            return None
+        return NamedSharding(mesh, _spec(tuple(x.shape), sizes))
+
+    return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def batch_sharding(batch: PyTree, mesh: Mesh, axis_name: Hashable) -> PyTree:
+    """The sharding of a global batch: every array split along its first axis over `axis_name`,
+    replicated over the other mesh axes; scalars replicated.
+
+    **Arguments:**
+
+    - `batch`: the global batch.
+    - `mesh`: the mesh.
+    - `axis_name`: the data axis.
+
+    **Returns:**
+
+    A PyTree of `NamedSharding`s (`None` for non-array leaves).
+    """
+
+    def leaf(x: Any) -> NamedSharding | None:
+        if not eqx.is_array(x):
+            return None
+        return NamedSharding(mesh, PartitionSpec(axis_name) if x.ndim else PartitionSpec())
+
+    return jax.tree.map(leaf, batch)
+
+
+def lay_out(tree: PyTree, mesh: Mesh, is_state: Callable[[Any], bool]) -> PyTree:
+    """`tree` with every subtree `is_state` holds for placed by `sharding_by_size` (a sharding
+    constraint inside `jit`, a transfer outside), the rest as it is.
+
+    **Arguments:**
+
+    - `tree`: any PyTree.
+    - `mesh`: the mesh.
+    - `is_state`: which subtrees are optimizer states.
+
+    **Returns:**
+
+    `tree`, its states laid out.
+    """
+
+    def place(x: Any) -> Any:
+        return eqx.filter_shard(x, sharding_by_size(x, mesh)) if is_state(x) else x
+
+    return jax.tree.map(place, tree, is_leaf=is_state)
+
+
+def spmd_call(
+    fn: Callable[..., Any],
+    mesh: Mesh,
+    axis_name: Hashable,
+    args: Sequence[Any],
+    batch_index: int,
+    is_state: Callable[[Any], bool],
+) -> Any:
+    """Calls `fn(*args)` as one program over global arrays, split over `mesh` by JAX's SPMD
+    partitioner (call inside `jit`).
+
+    `args[batch_index]` is split along its first axis over `axis_name`; the optimizer states among
+    the arguments and outputs (the subtrees `is_state` holds for) are laid out by
+    `sharding_by_size`; every other array keeps the sharding it comes with (the parameters: the
+    caller's), and the partitioner chooses the rest. `fn` is written for one device: the program
+    computes the same values as on one device, only the placement differs.
+
+    **Arguments:**
+
+    - `fn`: the function of global arrays.
+    - `mesh`: the mesh.
+    - `axis_name`: the data axis.
+    - `args`: the arguments of `fn`.
+    - `batch_index`: position of the batch among `args`.
+    - `is_state`: which subtrees are optimizer states.
+
+    **Returns:**
+
+    The output of `fn`, its states laid out.
+    """
+    check_even_split(args[batch_index], mesh.shape[axis_name], axis_name)
+    args = list(lay_out(tuple(args), mesh, is_state))
+    batch = args[batch_index]
+    args[batch_index] = eqx.filter_shard(batch, batch_sharding(batch, mesh, axis_name))
+    return lay_out(fn(*args), mesh, is_state)

@@ -1,34 +1,77 @@
-"""The compiled entry points of `Optimizer.step`: jit, `shard_map` and buffer donation.
+"""The compiled entry points of `Optimizer.step`: jit, `shard_map`, the sharded state, and buffer
+donation.
 
 `Optimizer.step` calls `compiled_step`, which jits the pure `optimizer_step.step_body` once per
-argument structure (Equinox's `filter_jit` cache), runs it under `shard_map` when `multi_device`,
-and donates the argument buffers the optimizer was told to donate (kfac-jax's
+argument structure (Equinox's `filter_jit` cache), runs it under `shard_map` when `multi_device`
+(or as one SPMD program over sharded state with `shard_state`, see `_core/distributed.py`), and
+donates the argument buffers the optimizer was told to donate (kfac-jax's
 `donate_parameters`, `donate_optimizer_state`, `donate_batch_inputs`, `donate_func_state`). A
 donated argument's buffers are reused for the step's outputs, which saves a copy of the
 parameters and of the whole optimizer state (curvature factors and cached inverses) per step, but
 the caller's arrays are deleted: only donate what you replace with the step's outputs.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 
 from .._core import distributed as _distributed
+from .optimizer_state import OptimizerState
 from .optimizer_step import burnin_update, step_body
+
+
+# --- multi-device: the `shard_map` step, the sharded (SPMD) step and its initial state ---------
+
+
+def device_mesh(optimizer: Any) -> Any:
+    """The optimizer's mesh: `mesh=` if given, else a 1-D mesh of all devices (the data axis)."""
+    if optimizer.mesh is not None:
+        return optimizer.mesh
+    return _distributed.data_mesh(optimizer.pmap_axis_name)
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, OptimizerState)
 
 
 def _maybe_sharded(optimizer: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(optimizer, *args)`, under `shard_map` with the batch (`args[3]`) split when
-    `multi_device`."""
+    `multi_device`, or as one SPMD program with the state sharded when also `shard_state`."""
     if not optimizer.multi_device:
         return fn(optimizer, *args)
-    mesh = optimizer.mesh
-    if mesh is None:
-        mesh = _distributed.data_mesh(optimizer.pmap_axis_name)
-    return _distributed.sharded_call(
-        lambda *a: fn(optimizer, *a), mesh, optimizer.pmap_axis_name, args, batch_index=3
+    call = _distributed.sharded_call
+    if optimizer.shard_state:
+        call = functools.partial(_distributed.spmd_call, is_state=_is_state)
+    return call(
+        lambda *a: fn(optimizer, *a), device_mesh(optimizer), optimizer.pmap_axis_name, args,
+        batch_index=3,
     )
+
+
+def initial_state(optimizer: Any, build: Callable[..., OptimizerState], *args: Any) -> OptimizerState:
+    """`build(*args)`, the optimizer's initial state; with `shard_state`, built by one compiled
+    program whose outputs are laid out by `sharding_by_size` (no device holds the whole state, not
+    even while it is created).
+
+    **Arguments:**
+
+    - `optimizer`: the `Optimizer`.
+    - `build`: the function that builds the state.
+    - `args`: its array arguments.
+
+    **Returns:**
+
+    The state.
+    """
+    if not (optimizer.multi_device and optimizer.shard_state):
+        return build(*args)
+    mesh = device_mesh(optimizer)
+    return eqx.filter_jit(lambda *a: _distributed.lay_out(build(*a), mesh, _is_state))(*args)
+
+
+# --- the compiled step ----------------------------------------------------------------------
 
 
 @eqx.filter_jit

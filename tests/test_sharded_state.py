@@ -1,0 +1,169 @@
+"""Sharded state: `Optimizer(multi_device=True, shard_state=True)` over a 2 x 2 mesh of the 4 host
+CPU devices (conftest).
+
+The step is one SPMD program over global arrays: it must equal the single-device step, keep the
+state laid out by `sharding_by_size` and the parameters as the caller placed them, and hold per
+device a fraction of what the replicated (`shard_map`) layout holds, read off XLA's compiled
+memory analysis. `benchmarks/scale.py` measures the same on 8 devices (a 2 x 4 mesh).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import eqx_kfac
+
+
+N_IN, WIDTH, N_OUT, BATCH, STEPS, STACK = 8, 16, 4, 16, 3, 4
+SETTINGS = {
+    "adaptive": (dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                      use_adaptive_damping=True, initial_damping=1.0, estimation_mode="ggn_exact"), {}),
+    # The sampled Fisher: the SPMD program draws the same samples as one device (one key).
+    "fixed": (dict(estimation_mode="fisher_gradients", use_exact_inverses=True),
+              dict(learning_rate=0.1, momentum=0.5, damping=1e-2)),
+}
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+
+
+def _mlp():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    # The middle layer's bias makes its input factor 17 x 17: no mesh axis divides it (replicated).
+    return (eqx.nn.Linear(N_IN, WIDTH, use_bias=False, key=k1),
+            eqx.nn.Linear(WIDTH, WIDTH, key=k2), eqx.nn.Linear(WIDTH, N_OUT, use_bias=False, key=k3))
+
+
+def _mlp_logits(model, x):
+    def forward(v):
+        return model[2](jnp.tanh(model[1](jnp.tanh(model[0](v)))))
+
+    return jax.vmap(forward)(x)
+
+
+def _scan():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(WIDTH, WIDTH, use_bias=False, key=k))(
+        jax.random.split(k2, STACK)
+    )
+    return (eqx.nn.Linear(N_IN, WIDTH, use_bias=False, key=k1), layers,
+            eqx.nn.Linear(WIDTH, N_OUT, use_bias=False, key=k3))
+
+
+def _scan_logits(model, x):
+    first, layers, head = model
+    dynamic, static = eqx.partition(layers, eqx.is_array)
+
+    def forward(v):
+        body = lambda h, layer: (jnp.tanh(eqx.combine(layer, static)(h)), None)  # noqa: E731
+        return head(jax.lax.scan(body, jnp.tanh(first(v)), dynamic)[0])
+
+    return jax.vmap(forward)(x)
+
+
+MODELS = {"mlp": (_mlp, _mlp_logits), "scan": (_scan, _scan_logits)}
+
+
+def _problem(model_name):
+    build, logits_of = MODELS[model_name]
+
+    def loss(model, batch):
+        x, y = batch
+        logits = logits_of(model, x)
+        eqx_kfac.register_softmax_cross_entropy_loss(logits, y)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    batch = (jax.random.normal(jax.random.key(1), (BATCH, N_IN)),
+             jax.random.randint(jax.random.key(2), (BATCH,), 0, N_OUT))
+    return loss, build(), batch
+
+
+def _optimizer(loss, setting, **kwargs):
+    options, _ = SETTINGS[setting]
+    return eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(loss), l2_reg=1e-3, num_burnin_steps=1, inverse_update_period=2,
+        max_consecutive_faults=None, **options, **kwargs,
+    )
+
+
+def _run(optimizer, setting, model, batch):
+    """`STEPS` steps through one compiled program; also its compiled memory analysis."""
+    state = optimizer.init(model, jax.random.key(3), batch)
+    step = jax.jit(lambda p, s, k: optimizer.step(p, s, k, batch=batch, **SETTINGS[setting][1]))
+    compiled = step.lower(model, state, jax.random.key(0)).compile()
+    for i in range(STEPS):
+        model, state, stats = compiled(model, state, jax.random.key(10 + i))
+    return model, state, stats, compiled.memory_analysis()
+
+
+def _flat(tree):
+    return np.concatenate([np.ravel(a) for a in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))])
+
+
+def _laid_out(tree, shardings):
+    """Whether every array of `tree` has the sharding given for it (up to the spec's spelling)."""
+    arrays = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    return all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(arrays, jax.tree.leaves(shardings), strict=True))
+
+
+def _bytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+
+
+@pytest.mark.parametrize("model_name, setting", [("mlp", "adaptive"), ("scan", "fixed")])
+def test_sharded_steps_equal_single_device(model_name, setting):
+    loss, model, batch = _problem(model_name)
+    single, single_state, single_stats, _ = _run(_optimizer(loss, setting), setting, model, batch)
+    mesh = _mesh()
+    placed = eqx.filter_shard(model, eqx_kfac.sharding_by_size(model, mesh))
+    optimizer = _optimizer(loss, setting, multi_device=True, mesh=mesh, pmap_axis_name="data",
+                           shard_state=True)
+    multi, state, stats, memory = _run(optimizer, setting, placed, batch)
+
+    update = _flat(single) - _flat(model)
+    assert np.linalg.norm(_flat(multi) - _flat(single)) <= 1e-8 * np.linalg.norm(update)
+    for key in ("loss", "learning_rate", "momentum", "damping", "data_seen", "batch_size"):
+        np.testing.assert_allclose(stats[key], single_stats[key], rtol=1e-9, err_msg=key)
+    # The layout holds after the steps: the state as `sharding_by_size` says, parameters as placed.
+    assert _laid_out(state, eqx_kfac.sharding_by_size(state, mesh))
+    assert _laid_out(multi, [x.sharding for x in jax.tree.leaves(eqx.filter(placed, eqx.is_array))])
+    factors = [x for x in jax.tree.leaves(state.estimator_state) if x.ndim >= 2]
+    # Every factor and inverse is split but the biased layer's 17 x 17 input factor and its inverse.
+    assert all((x.sharding.spec == P()) == (x.shape[-1] == WIDTH + 1) for x in factors)
+    if model_name == "scan":
+        # Every array of its state splits. Per device (XLA's compiled memory analysis), the step's
+        # arguments (parameters, state, a batch shard) take at most a third of what the replicated
+        # layout keeps on every device: all parameters and all of the state.
+        replicated = _bytes((single, single_state))
+        assert memory.argument_size_in_bytes <= replicated / 3, (memory.argument_size_in_bytes, replicated)
+
+
+def test_sharding_by_size():
+    mesh = _mesh()
+    tree = dict(
+        stack=jnp.zeros((4, 6, 6)),  # a stack of matrices: along the stack
+        matrix=jnp.zeros((8, 12)),  # the largest axis that 4 divides
+        odd=jnp.zeros((17, 17)),  # nothing divides: replicated
+        half=jnp.zeros((6, 3)),  # 4 divides nothing, one axis of 2 divides 6
+        scalar=jnp.zeros(()),
+        other="not an array",
+    )
+    specs = eqx_kfac.sharding_by_size(tree, mesh)
+    assert specs["stack"].spec == P(("data", "model"), None, None)
+    assert specs["matrix"].spec == P(None, ("data", "model"))
+    assert specs["odd"].spec == P() and specs["scalar"].spec == P()
+    assert specs["half"].spec in (P("data", None), P("model", None))
+    assert specs["other"] is None
+    assert isinstance(specs["matrix"], NamedSharding) and specs["matrix"].mesh == mesh
+    only_model = eqx_kfac.sharding_by_size(tree, mesh, axis_names=("model",))
+    assert only_model["matrix"].spec == P(None, "model")
+
+
+def test_shard_state_needs_multi_device():
+    loss, _, _ = _problem("mlp")
+    with pytest.raises(ValueError, match="multi_device=True"):
+        _optimizer(loss, "fixed", shard_state=True)
