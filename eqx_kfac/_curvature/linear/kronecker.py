@@ -24,6 +24,7 @@ import lineax as lx
 from jaxtyping import Array, ArrayLike, Float
 
 from ..._core.linalg import eigh, per_platform, spd_inverse
+from ..._core.tree import all_finite
 from .operators import _kron_vectors, _symmetrise, apply_factors, KroneckerOperator
 
 
@@ -311,9 +312,9 @@ def refreshed_inverse_factors(
 ) -> tuple[Float[Array, "_ _"], ...]:
     """The factors of `pi_adjusted_inverse(factors, damping)`, for a cache refresh.
 
-    An inverse that comes back non-finite (a damped factor singular or indefinite by rounding,
-    which needs a damping far below the factor's scale) keeps its `previous` value instead of
-    the public function's eigendecomposition fallback: the refresh then compiles to the
+    When an inverse comes back non-finite (a damped factor singular or indefinite by rounding,
+    which needs a damping far below the factor's scale), all of them keep their `previous` values
+    instead of the public function's eigendecomposition fallback: the refresh then compiles to the
     inversions alone, with no fallback code per factor (the fallback doubled the refresh's
     compile time), and a failed refresh leaves the cache as it was, as a failed solver
     factorisation does.
@@ -329,10 +330,11 @@ def refreshed_inverse_factors(
     One inverse per factor.
     """
     damped = pi_adjusted_damped_factors(tuple(jnp.asarray(f) for f in factors), damping)
-    return tuple(
-        jnp.where(jnp.all(jnp.isfinite(inverse)), inverse, old)
-        for inverse, old in zip(map(_invert_damped, damped), previous)
-    )
+    inverses = tuple(map(_invert_damped, damped))
+    # One check for the block (the pi-adjusted inverses belong together; one reduction compiles
+    # to fewer kernels than one per factor).
+    finite = all_finite(inverses)
+    return tuple(jnp.where(finite, inverse, old) for inverse, old in zip(inverses, previous))
 
 
 def _psd_matpower(matrix: Float[Array, "n n"], power: float) -> Float[Array, "n n"]:
