@@ -190,6 +190,18 @@ def test_haiku_linear_kronecker_block_is_exact_on_one_example():
     _check(transformed.apply, params, _ONE, None, {"dense_in_out_with_bias"})
 
 
+def test_linen_dense_general_kronecker_block_is_exact_on_one_example():
+    """`DenseGeneral` kernels of shape `(in, *out)` and `(*in, out)`: the block acts on the
+    kernel's `(in, out)` reshape."""
+    model = nn.Sequential([
+        nn.DenseGeneral((2, 2), param_dtype=jnp.float64), jnp.tanh,
+        nn.DenseGeneral(2, axis=(-2, -1), param_dtype=jnp.float64),
+    ])
+    params = _perturbed(model.init(jax.random.key(0), _ONE)["params"], jax.random.key(2))
+    origins = {"dense_general_1x2_with_bias", "dense_general_2x1_with_bias"}
+    _check(lambda p, x: model.apply({"params": p}, x), params, _ONE, None, origins)
+
+
 def test_plain_dense_kronecker_block_is_exact_on_one_example():
     keys = jax.random.split(jax.random.key(5), 4)
     params = {
