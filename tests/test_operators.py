@@ -344,8 +344,9 @@ def test_singular_damped_factor_falls_back_to_finite_inverse():
 @pytest.mark.parametrize("singular", [False, True])
 def test_refreshed_inverse_factors_equal_pi_adjusted_inverse_or_keep_the_previous(singular):
     # The cache refresh's path against the public one: the same inversion, so equal to rounding;
-    # where an inversion fails (a singular undamped factor), the refresh keeps the previous
-    # inverse instead of the public function's eigendecomposition fallback.
+    # where an inversion fails (a singular undamped factor), the refresh keeps the block's
+    # previous inverses (both: a pi-adjusted pair belongs together) instead of the public
+    # function's eigendecomposition fallback.
     rng = np.random.default_rng(4)
     x = rng.standard_normal((40, 3 if singular else 60))
     factors = [jnp.asarray(x @ x.T), jnp.asarray(_psd(rng, 5))]
@@ -356,7 +357,10 @@ def test_refreshed_inverse_factors_equal_pi_adjusted_inverse_or_keep_the_previou
     expected = KR.pi_adjusted_inverse(factors, damping).factors
     got = jax.jit(KR.refreshed_inverse_factors)(factors, damping, previous)
     np.testing.assert_allclose(got[0], previous[0] if singular else expected[0], rtol=1e-8)
-    np.testing.assert_allclose(got[1], expected[1], rtol=1e-8, atol=1e-10 * np.abs(expected[1]).max())
+    if singular:
+        np.testing.assert_array_equal(got[1], previous[1])
+    else:
+        np.testing.assert_allclose(got[1], expected[1], rtol=1e-8, atol=1e-10 * np.abs(expected[1]).max())
 
 
 def test_non_finite_eigh_is_retried(monkeypatch):
