@@ -1,11 +1,13 @@
 """Sharded state: `Optimizer(multi_device=True, shard_state=True)` over a 2 x 2 mesh of the 4 host
-CPU devices (conftest).
+CPU devices (conftest), and the runnable example of docs/distributed.md.
 
 The step is one SPMD program over global arrays: it must equal the single-device step, keep the
 state laid out by `sharding_by_size` and the parameters as the caller placed them, and hold per
 device a fraction of what the replicated (`shard_map`) layout holds, read off XLA's compiled
 memory analysis. `benchmarks/scale.py` measures the same on 8 devices (a 2 x 4 mesh).
 """
+
+import re
 
 import equinox as eqx
 import jax
@@ -15,34 +17,18 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_kfac
+from doc_pages import DOCS
 
 
 N_IN, WIDTH, N_OUT, BATCH, STEPS, STACK = 8, 16, 4, 16, 3, 4
-SETTINGS = {
-    "adaptive": (dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-                      use_adaptive_damping=True, initial_damping=1.0, estimation_mode="ggn_exact"), {}),
-    # The sampled Fisher: the SPMD program draws the same samples as one device (one key).
-    "fixed": (dict(estimation_mode="fisher_gradients", use_exact_inverses=True),
-              dict(learning_rate=0.1, momentum=0.5, damping=1e-2)),
-}
+# Given coefficients, eigendecompositions, and the sampled Fisher: the SPMD program draws the same
+# samples as one device (one key). (The docs example has adaptive ones.)
+OPTIONS = dict(estimation_mode="fisher_gradients", use_exact_inverses=True)
+GIVEN = dict(learning_rate=0.1, momentum=0.5, damping=1e-2)
 
 
 def _mesh():
     return Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-
-
-def _mlp():
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    # The middle layer's bias makes its input factor 17 x 17: no mesh axis divides it (replicated).
-    return (eqx.nn.Linear(N_IN, WIDTH, use_bias=False, key=k1),
-            eqx.nn.Linear(WIDTH, WIDTH, key=k2), eqx.nn.Linear(WIDTH, N_OUT, use_bias=False, key=k3))
-
-
-def _mlp_logits(model, x):
-    def forward(v):
-        return model[2](jnp.tanh(model[1](jnp.tanh(model[0](v)))))
-
-    return jax.vmap(forward)(x)
 
 
 def _scan():
@@ -65,35 +51,29 @@ def _scan_logits(model, x):
     return jax.vmap(forward)(x)
 
 
-MODELS = {"mlp": (_mlp, _mlp_logits), "scan": (_scan, _scan_logits)}
-
-
-def _problem(model_name):
-    build, logits_of = MODELS[model_name]
-
+def _problem():
     def loss(model, batch):
         x, y = batch
-        logits = logits_of(model, x)
+        logits = _scan_logits(model, x)
         eqx_kfac.register_softmax_cross_entropy_loss(logits, y)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
 
     batch = (jax.random.normal(jax.random.key(1), (BATCH, N_IN)),
              jax.random.randint(jax.random.key(2), (BATCH,), 0, N_OUT))
-    return loss, build(), batch
+    return loss, _scan(), batch
 
 
-def _optimizer(loss, setting, **kwargs):
-    options, _ = SETTINGS[setting]
+def _optimizer(loss, **kwargs):
     return eqx_kfac.Optimizer(
         eqx.filter_value_and_grad(loss), l2_reg=1e-3, num_burnin_steps=1, inverse_update_period=2,
-        max_consecutive_faults=None, **options, **kwargs,
+        **OPTIONS, **kwargs,
     )
 
 
-def _run(optimizer, setting, model, batch):
+def _run(optimizer, model, batch):
     """`STEPS` steps through one compiled program; also its compiled memory analysis."""
     state = optimizer.init(model, jax.random.key(3), batch)
-    step = jax.jit(lambda p, s, k: optimizer.step(p, s, k, batch=batch, **SETTINGS[setting][1]))
+    step = jax.jit(lambda p, s, k: optimizer.step(p, s, k, batch=batch, **GIVEN))
     compiled = step.lower(model, state, jax.random.key(0)).compile()
     for i in range(STEPS):
         model, state, stats = compiled(model, state, jax.random.key(10 + i))
@@ -114,15 +94,13 @@ def _bytes(tree):
     return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
 
 
-@pytest.mark.parametrize("model_name, setting", [("mlp", "adaptive"), ("scan", "fixed")])
-def test_sharded_steps_equal_single_device(model_name, setting):
-    loss, model, batch = _problem(model_name)
-    single, single_state, single_stats, _ = _run(_optimizer(loss, setting), setting, model, batch)
+def test_sharded_steps_equal_single_device_in_a_fraction_of_the_memory():
+    loss, model, batch = _problem()
+    single, single_state, single_stats, _ = _run(_optimizer(loss), model, batch)
     mesh = _mesh()
     placed = eqx.filter_shard(model, eqx_kfac.sharding_by_size(model, mesh))
-    optimizer = _optimizer(loss, setting, multi_device=True, mesh=mesh, pmap_axis_name="data",
-                           shard_state=True)
-    multi, state, stats, memory = _run(optimizer, setting, placed, batch)
+    optimizer = _optimizer(loss, multi_device=True, mesh=mesh, pmap_axis_name="data", shard_state=True)
+    multi, state, stats, memory = _run(optimizer, placed, batch)
 
     update = _flat(single) - _flat(model)
     assert np.linalg.norm(_flat(multi) - _flat(single)) <= 1e-8 * np.linalg.norm(update)
@@ -131,15 +109,31 @@ def test_sharded_steps_equal_single_device(model_name, setting):
     # The layout holds after the steps: the state as `sharding_by_size` says, parameters as placed.
     assert _laid_out(state, eqx_kfac.sharding_by_size(state, mesh))
     assert _laid_out(multi, [x.sharding for x in jax.tree.leaves(eqx.filter(placed, eqx.is_array))])
-    factors = [x for x in jax.tree.leaves(state.estimator_state) if x.ndim >= 2]
-    # Every factor and inverse is split but the biased layer's 17 x 17 input factor and its inverse.
-    assert all((x.sharding.spec == P()) == (x.shape[-1] == WIDTH + 1) for x in factors)
-    if model_name == "scan":
-        # Every array of its state splits. Per device (XLA's compiled memory analysis), the step's
-        # arguments (parameters, state, a batch shard) take at most a third of what the replicated
-        # layout keeps on every device: all parameters and all of the state.
-        replicated = _bytes((single, single_state))
-        assert memory.argument_size_in_bytes <= replicated / 3, (memory.argument_size_in_bytes, replicated)
+    # Every factor and cached eigendecomposition is split; the stacked ones along the stack.
+    blocks = state.estimator_state.block_states
+    assert all(x.sharding.spec != P() for x in jax.tree.leaves(blocks) if x.ndim >= 1)
+    assert all(x.sharding.spec[0] == ("data", "model") for x in jax.tree.leaves(blocks[1]) if x.ndim == 3)
+    # Per device (XLA's compiled memory analysis), the step's arguments (parameters, state, a
+    # batch shard) take at most a third of what the replicated layout keeps on every device: all
+    # parameters and all of the state.
+    replicated = _bytes((single, single_state))
+    assert memory.argument_size_in_bytes <= replicated / 3, (memory.argument_size_in_bytes, replicated)
+
+
+def test_the_docs_example_equals_one_device():
+    """The runnable example of docs/distributed.md ("Sharded state"), against one device."""
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", (DOCS / "distributed.md").read_text(), re.DOTALL)
+               if "shard_state=True" in b and "eqx.nn.MLP" in b]
+    page = {"__name__": "distributed_example"}
+    exec(compile(code, "distributed.md", "exec"), page)
+    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(page["loss"]), **page["options"])
+    single, state = page["model"], optimizer.init(page["model"], jax.random.key(3), page["batch"])
+    for i in range(3):
+        single, state, stats = optimizer.step(single, state, jax.random.key(10 + i), batch=page["batch"])
+    update = _flat(single) - _flat(page["model"])
+    assert np.linalg.norm(_flat(page["params"]) - _flat(single)) <= 1e-8 * np.linalg.norm(update)
+    np.testing.assert_allclose(page["stats"]["loss"], stats["loss"], rtol=1e-9)
+    assert _laid_out(page["state"], eqx_kfac.sharding_by_size(page["state"], page["mesh"]))
 
 
 def test_sharding_by_size():
@@ -164,6 +158,6 @@ def test_sharding_by_size():
 
 
 def test_shard_state_needs_multi_device():
-    loss, _, _ = _problem("mlp")
+    loss, _, _ = _problem()
     with pytest.raises(ValueError, match="multi_device=True"):
-        _optimizer(loss, "fixed", shard_state=True)
+        _optimizer(loss, shard_state=True)
