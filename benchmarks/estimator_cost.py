@@ -29,26 +29,10 @@ def block_until_ready(tree):
     return jax.tree.map(lambda a: a.block_until_ready() if isinstance(a, jax.Array) else a, tree)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=10, help="timing rounds (default 10)")
-    parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--quick", action="store_true", help="widths / 10 and 3 rounds")
-    parser.add_argument(
-        "--modes",
-        default="fisher_gradients,ggn_curvature_prop",
-        help="comma-separated estimation modes to time",
-    )
-    args = parser.parse_args()
-    sizes = AUTOENCODER
-    rounds = args.rounds
-    if args.quick:
-        sizes = tuple(max(2, s // 10) for s in sizes)
-        rounds = min(rounds, 3)
-
-    key = jax.random.key(0)
-    model = TanhMLP(sizes, key)
-    x = jax.random.uniform(jax.random.key(1), (args.batch_size, sizes[0]), jnp.float32)
+def make_jobs(sizes, batch_size, modes):
+    """`(jobs, num_blocks)`: the timed functions, each compiled and ready to call."""
+    model = TanhMLP(sizes, jax.random.key(0))
+    x = jax.random.uniform(jax.random.key(1), (batch_size, sizes[0]), jnp.float32)
     x = (x > 0.5).astype(jnp.float32)
     params, static = eqx.partition(model, eqx.is_inexact_array)
 
@@ -66,7 +50,7 @@ def main():
         @jax.jit
         def update(state, params, x, key):
             return estimator.update_curvature_matrix_estimate(
-                state, 0.95, 1.0, args.batch_size, key, (eqx.combine(params, static), x), mode
+                state, 0.95, 1.0, batch_size, key, (eqx.combine(params, static), x), mode
             )
 
         return update
@@ -83,7 +67,6 @@ def main():
     def precondition(state, grads):
         return estimator.multiply_inverse(state, grads, damping, exact_power=False, use_cached=True)
 
-    modes = [m for m in args.modes.split(",") if m]
     updates = {m: make_update(m) for m in modes}
     state = block_until_ready(updates[modes[0]](state, params, x, jax.random.key(3)))
     _, grads = value_and_grad(params, x)
@@ -95,9 +78,28 @@ def main():
     jobs["update_cache (approx inverse)"] = lambda: cache_approx(state)
     jobs["update_cache (exact inverse)"] = lambda: cache_exact(state)
     jobs["multiply_inverse (cached)"] = lambda: precondition(state, grads)
-
     for job in jobs.values():  # compile everything before timing
         block_until_ready(job())
+    return jobs, estimator.num_blocks
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10, help="timing rounds (default 10)")
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--quick", action="store_true", help="widths / 10 and 3 rounds")
+    parser.add_argument(
+        "--modes",
+        default="fisher_gradients,ggn_curvature_prop",
+        help="comma-separated estimation modes to time",
+    )
+    args = parser.parse_args()
+    sizes = AUTOENCODER
+    rounds = args.rounds
+    if args.quick:
+        sizes = tuple(max(2, s // 10) for s in sizes)
+        rounds = min(rounds, 3)
+    jobs, num_blocks = make_jobs(sizes, args.batch_size, [m for m in args.modes.split(",") if m])
     times = {name: [] for name in jobs}
     for _ in range(rounds):
         for name, job in jobs.items():
@@ -109,7 +111,7 @@ def main():
     base = medians["value_and_grad"]
     print(
         f"MLP autoencoder {'-'.join(map(str, sizes))}, B={args.batch_size}, float32, "
-        f"{estimator.num_blocks} blocks, {rounds} alternated rounds, device {jax.devices()[0]}"
+        f"{num_blocks} blocks, {rounds} alternated rounds, device {jax.devices()[0]}"
     )
     width = max(len(n) for n in jobs)
     print(f"{'operation':<{width}}  {'median (ms)':>12}  {'x value_and_grad':>16}")

@@ -304,7 +304,8 @@ def use_hugepage_malloc():
 # --- main -----------------------------------------------------------------------------------
 
 
-def main():
+def parse_args():
+    """The command line (see `--help`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps-per-round", type=int, default=5)
@@ -327,18 +328,26 @@ def main():
         parser.error("--breakdown-repeats must be at least 0")
     if args.plot and not args.breakdown_repeats:
         parser.error("--plot draws the breakdown: it needs --breakdown-repeats of at least 1")
-    if args.hugepage_malloc:
-        use_hugepage_malloc()
-    sizes = AUTOENCODER
-    rounds = args.rounds
-    if args.quick:
-        sizes = tuple(max(2, s // 10) for s in sizes)
-        rounds = min(rounds, 2)
+    return args
 
-    model, x = make_problem(sizes, args.batch_size)
-    runners, lowerers = {}, {}
-    for m in METHODS:
-        runners[m], lowerers[m] = make_runner(m, model, x)
+
+def _peer_summary(peer_runs):
+    """kfac-jax's seconds per step and of the first call (medians over its runs), faults (means),
+    step memory (the same in every run)."""
+    return {
+        m: {
+            "time": statistics.median(r["ms"] for r in rows) / 1e3,
+            "first": statistics.median(r["first_s"] for r in rows),
+            "faults": statistics.mean(r["faults"] for r in rows),
+            "mib": rows[-1]["mib"],
+        }
+        for m, rows in peer_runs.items()
+    }
+
+
+def time_methods(args, rounds, runners):
+    """`(first, ours, faults, peer)`: each method's first call, its seconds per step in every
+    alternated round, its page faults per step, and kfac-jax's summary (with `--peer-venv`)."""
     first = {}
     for m, run in runners.items():
         start = time.perf_counter()
@@ -346,12 +355,11 @@ def main():
         first[m] = time.perf_counter() - start
     for run in runners.values():
         run(2 * args.steps_per_round - 1)
-
     blocks = args.peer_repeats if args.peer_venv else 1
     ours = {m: [] for m in METHODS}
     faults = dict.fromkeys(METHODS, 0)
     peer_runs = {m: [] for m in PEER_METHODS}
-    for b in range(blocks):
+    for _ in range(blocks):
         for _ in range(max(1, rounds // blocks)):
             for m, run in runners.items():
                 before = minor_faults()
@@ -366,33 +374,12 @@ def main():
             )
             for m, row in peer_table.items():
                 peer_runs[m].append(row)
-    med = {m: statistics.median(ts) for m, ts in ours.items()}
     faults = {m: f / (len(ours[m]) * args.steps_per_round) for m, f in faults.items()}
-    peer = {}
-    if args.peer_venv:
-        # Seconds per step and of the first call: medians over kfac-jax's runs; faults: means;
-        # step memory: the same in every run.
-        peer = {
-            m: {
-                "time": statistics.median(r["ms"] for r in rows) / 1e3,
-                "first": statistics.median(r["first_s"] for r in rows),
-                "faults": statistics.mean(r["faults"] for r in rows),
-                "mib": rows[-1]["mib"],
-            }
-            for m, rows in peer_runs.items()
-        }
+    return first, ours, faults, _peer_summary(peer_runs) if args.peer_venv else {}
 
-    kfac_methods = ("kfac_adaptive", "kfac_fixed")
-    floors = {m: flop_floor(sizes, args.batch_size, m == "kfac_adaptive") for m in kfac_methods}
-    adam_flops = 3 * sum(2 * args.batch_size * i * o for i, o in zip(sizes[:-1], sizes[1:]))
-    memory = {}
-    if not args.no_memory:
-        memory = {m: step_memory(lowerers[m]) for m in METHODS}
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores); sizes "
-          f"{sizes}; B={args.batch_size}; {len(ours['adam'])} rounds x {args.steps_per_round} "
-          f"steps, alternated; malloc: "
-          f"{'GLIBC_TUNABLES=' + HUGEPAGE_TUNABLE if args.hugepage_malloc else 'glibc defaults'}")
+def print_step_table(med, faults, peer, memory, floors, adam_flops):
+    """The per-step table: times, ratios to Adam and to the FLOP floor, memory, page faults."""
     header = f"{'method':<15}{'ms/step':>9}{'x Adam':>8}{'floor x':>9}{'of floor':>9}"
     if peer:
         header += f"{'kfac-jax ms':>12}{'x Adam':>8}{'ours/kfac-jax':>14}"
@@ -419,6 +406,9 @@ def main():
             line += f"{peer[m]['faults']:>12.0f}"
         print(line)
 
+
+def print_first_calls(first, peer):
+    """The first-call table: seconds, ratio to Adam, and kfac-jax's."""
     print("\nFirst call of the step (seconds: tracing, compilation and one step):")
     header = f"{'method':<15}{'first s':>9}{'x Adam':>8}"
     if peer:
@@ -432,14 +422,9 @@ def main():
             line += f"{first[m] / peer_first:>14.2f}"
         print(line)
 
-    print("\nFLOP floor per step (GFLOP):")
-    for m in kfac_methods:
-        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in floors[m].items())
-        print(f"  {m}: {sum(floors[m].values()) / 1e9:.1f} ({parts}); Adam {adam_flops / 1e9:.1f}")
 
-    if not args.breakdown_repeats:
-        return
-    pieces = breakdown(model, x, args.breakdown_repeats)
+def print_breakdown(pieces, med, plot):
+    """The breakdown of an adaptive step, and its bar chart written to `plot` (if given)."""
     print("\nBreakdown of an adaptive step (each piece jitted and timed alone, median ms):")
     total = med["kfac_adaptive"]
     for name, t in pieces.items():
@@ -447,23 +432,59 @@ def main():
     rest = total - sum(pieces.values())
     print(f"  {'rest (step - pieces)':<22}{1e3 * rest:>9.2f}")
     print(f"  {'whole step':<22}{1e3 * total:>9.2f}")
-    if args.plot:
-        import matplotlib
+    if not plot:
+        return
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        names = list(pieces) + ["rest"]
-        values = [1e3 * pieces[n] for n in pieces] + [1e3 * max(rest, 0.0)]
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.barh(names, values)
-        ax.axvline(1e3 * med["adam"], color="k", linestyle="--", label="Adam step")
-        ax.set_xlabel("ms per step")
-        ax.set_title("K-FAC adaptive step: cost breakdown")
-        ax.invert_yaxis()
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+    names = list(pieces) + ["rest"]
+    values = [1e3 * pieces[n] for n in pieces] + [1e3 * max(rest, 0.0)]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(names, values)
+    ax.axvline(1e3 * med["adam"], color="k", linestyle="--", label="Adam step")
+    ax.set_xlabel("ms per step")
+    ax.set_title("K-FAC adaptive step: cost breakdown")
+    ax.invert_yaxis()
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(plot, dpi=120)
+
+
+def main():
+    args = parse_args()
+    if args.hugepage_malloc:
+        use_hugepage_malloc()
+    sizes = AUTOENCODER
+    rounds = args.rounds
+    if args.quick:
+        sizes = tuple(max(2, s // 10) for s in sizes)
+        rounds = min(rounds, 2)
+
+    model, x = make_problem(sizes, args.batch_size)
+    runners, lowerers = {}, {}
+    for m in METHODS:
+        runners[m], lowerers[m] = make_runner(m, model, x)
+    first, ours, faults, peer = time_methods(args, rounds, runners)
+    med = {m: statistics.median(ts) for m, ts in ours.items()}
+    kfac_methods = ("kfac_adaptive", "kfac_fixed")
+    floors = {m: flop_floor(sizes, args.batch_size, m == "kfac_adaptive") for m in kfac_methods}
+    adam_flops = 3 * sum(2 * args.batch_size * i * o for i, o in zip(sizes[:-1], sizes[1:]))
+    memory = {} if args.no_memory else {m: step_memory(lowerers[m]) for m in METHODS}
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores); sizes "
+          f"{sizes}; B={args.batch_size}; {len(ours['adam'])} rounds x {args.steps_per_round} "
+          f"steps, alternated; malloc: "
+          f"{'GLIBC_TUNABLES=' + HUGEPAGE_TUNABLE if args.hugepage_malloc else 'glibc defaults'}")
+    print_step_table(med, faults, peer, memory, floors, adam_flops)
+    print_first_calls(first, peer)
+    print("\nFLOP floor per step (GFLOP):")
+    for m in kfac_methods:
+        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in floors[m].items())
+        print(f"  {m}: {sum(floors[m].values()) / 1e9:.1f} ({parts}); Adam {adam_flops / 1e9:.1f}")
+    if args.breakdown_repeats:
+        print_breakdown(breakdown(model, x, args.breakdown_repeats), med, args.plot)
 
 
 if __name__ == "__main__":
