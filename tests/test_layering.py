@@ -29,8 +29,10 @@ LAYERS = {
     "eqx_kfac._curvature": 6,
     # optimisation: the optimizer's parts, the optimizer, the optax transformation
     "eqx_kfac._optim": 7,
+    # physics-informed networks: Taylor-mode layers, their blocks and optimizers (on all above)
+    "eqx_kfac._pinn": 8,
     # the face: the public namespace and the testing kit
-    "eqx_kfac": 8,
+    "eqx_kfac": 9,
 }
 
 

@@ -8,13 +8,13 @@ channels (`tags.py`), and its Gauss-Newton block has a weight-sharing Kronecker 
 (ENGD's Gramian), `line_search.py` and `optimizers.py` the optimizers of the paper.
 """
 
-from .blocks import TaylorDenseFull as TaylorDenseFull, TaylorDenseTwoKroneckerFactored as TaylorDenseTwoKroneckerFactored
-from .gauss_newton import DenseGaussNewton as DenseGaussNewton
-from .kronecker_sum import (
-    KroneckerSumState as KroneckerSumState,
-    SimultaneousDiagonalisation as SimultaneousDiagonalisation,
-    TaylorDenseKroneckerSum as TaylorDenseKroneckerSum,
+from .blocks import (
+    TaylorDenseEigenbasisKFAC as TaylorDenseEigenbasisKFAC,
+    TaylorDenseFull as TaylorDenseFull,
+    TaylorDenseTwoKroneckerFactored as TaylorDenseTwoKroneckerFactored,
 )
+from .gauss_newton import DenseGaussNewton as DenseGaussNewton
+from .kronecker_sum import TaylorDenseKroneckerSum as TaylorDenseKroneckerSum
 from .line_search import (
     default_grid as default_grid,
     GridLineSearchState as GridLineSearchState,

@@ -42,7 +42,7 @@ class TaylorInput(eqx.Module):
 
     x: Float[Array, "batch dim"]
     order: int = eqx.field(static=True, default=2)
-    laplacian_weights: Float[Array, " dim"] | None = None
+    laplacian_weights: Float[Array, " _dim"] | None = None
 
     def __check_init__(self):
         if self.order not in (0, 1, 2):
@@ -159,8 +159,6 @@ def _steps(model: Any) -> tuple[list[tuple[str, Any]], bool]:
                 scalar = layer.out_features == "scalar"
             elif isinstance(layer, eqx.nn.Lambda):
                 steps.append(("activation", layer.fn))
-            elif callable(layer) and not jax.tree.leaves(eqx.filter(layer, eqx.is_array)):
-                steps.append(("activation", layer))
             else:
                 raise TypeError(_unsupported(f"layers[{i}]", layer))
         return steps, scalar
@@ -171,7 +169,7 @@ def _unsupported(where: str, layer: Any) -> str:
     return (
         f"taylor_forward: {where} is a {type(layer).__name__}, which it cannot propagate Taylor "
         "coefficients through. It supports eqx.nn.MLP (scan=False) and eqx.nn.Sequential of "
-        "eqx.nn.Linear and elementwise activations (functions or eqx.nn.Lambda); for another "
+        "eqx.nn.Linear and elementwise activations (eqx.nn.Lambda); for another "
         "architecture, propagate the coefficients yourself and register each dense layer with "
         "eqx_kfac.register_taylor_dense."
     )
@@ -192,7 +190,7 @@ def taylor_forward(model: Any, points: TaylorInput | Sequence[TaylorInput]) -> A
     **Arguments:**
 
     - `model`: an `eqx.nn.MLP` (`scan=False`) or an `eqx.nn.Sequential` of `eqx.nn.Linear` and
-      elementwise activations (functions or `eqx.nn.Lambda`).
+      elementwise activations (`eqx.nn.Lambda`).
     - `points`: a `TaylorInput`, or a sequence of them.
 
     **Returns:**

@@ -1,0 +1,380 @@
+"""Physics-informed networks: K-FAC against Adam, L-BFGS and dense ENGD at equal wall-clock time.
+
+    python benchmarks/pinn.py                         # the three problems, full budgets
+    python benchmarks/pinn.py --quick                 # short budgets and fewer points
+    python benchmarks/pinn.py --problems poisson2d --budget 60 --plot-dir docs/img
+
+The problems of Dangel, Müller and Zeinhofer (2024), with tanh MLPs in float64:
+
+- `poisson2d`: `-Δu = 2π² sin(πx) sin(πy)` on `[0, 1]²`, `u = 0` on the boundary
+  (`u* = sin(πx) sin(πy)`), 900 interior and 120 boundary points, a 2-40-40-40-1 MLP
+  (3,441 parameters);
+- `poisson5d`: `-Δu = π² Σ_i cos(πx_i)` on `[0, 1]⁵`, `u = u*` on the boundary
+  (`u* = Σ_i cos(πx_i)`), 1,000 interior and 250 boundary points, a 5-64-64-48-48-1 MLP
+  (10,065 parameters, the paper's);
+- `heat1d`: `∂_t u = ¼ ∂²_x u` on `(t, x) ∈ [0, 1]²`, `u(0, x) = sin(πx)`, `u(t, 0) = u(t, 1) = 0`
+  (`u* = exp(-π² t / 4) sin(πx)`), 900 interior and 120 initial and boundary points, a
+  2-32-32-32-1 MLP (2,241 parameters).
+
+The training points are drawn once and kept; the relative L2 error `‖u - u*‖ / ‖u*‖` is measured
+on separate uniform points. The methods, all from the same initial network:
+
+- Adam at three learning rates;
+- L-BFGS (`optax.lbfgs`, its zoom line search);
+- dense ENGD (`eqx_kfac.engd`: the Gauss-Newton matrix over all parameters, a Cholesky solve,
+  the grid line search);
+- K-FAC with the grid line search (`eqx_kfac.pinn_kfac`: one Kronecker product per point set,
+  expand);
+- K-FAC* (`eqx_kfac.Optimizer` with the same blocks and adaptive learning rate, momentum and
+  damping from the exact quadratic model).
+
+Every method gets the same wall-clock budget, counted from before its first call (compilation
+included), and the methods run alternately in slices of the budget in one process, so a load
+on the machine falls on all of them alike. The error is measured at the end of every slice
+(not timed). The table gives each method's error after a quarter, half and all of the budget;
+the ratios at the end compare K-FAC with the others at equal time.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import equinox as eqx  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import lineax as lx  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import eqx_kfac  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A PINN problem: its network, training points, loss and exact solution."""
+
+    name: str
+    title: str
+    model: Any
+    batch: tuple[jax.Array, ...]
+    loss: Callable[[Any, Any], jax.Array]
+    eval_points: jax.Array
+    exact: jax.Array
+    budget: float
+
+    def error(self, model: Any) -> float:
+        """The relative L2 error on the evaluation points."""
+        u = jax.vmap(model)(self.eval_points)
+        return float(jnp.linalg.norm(u - self.exact) / jnp.linalg.norm(self.exact))
+
+
+def _boundary_points(key: jax.Array, count: int, dim: int) -> jax.Array:
+    """Uniform points on the faces of `[0, 1]^dim`: a random coordinate set to 0 or 1."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.uniform(k1, (count, dim))
+    axis = jax.random.randint(k2, (count,), 0, dim)
+    side = jax.random.bernoulli(k3, 0.5, (count,)).astype(x.dtype)
+    return jnp.where(jnp.arange(dim)[None, :] == axis[:, None], side[:, None], x)
+
+
+def _mlp(sizes: tuple[int, ...]) -> Any:
+    """A tanh MLP `sizes[0] -> ... -> 1` (scalar output), initialised from `jax.random.key(0)`."""
+    key = jax.random.key(0)
+    hidden = sizes[1:-1]
+    if len(set(hidden)) == 1:
+        return eqx.nn.MLP(sizes[0], "scalar", hidden[0], len(hidden), activation=jnp.tanh, key=key)
+    layers = []
+    keys = jax.random.split(key, len(sizes))
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(eqx.nn.Linear(n_in, n_out if i < len(sizes) - 2 else "scalar", key=keys[i]))
+        if i < len(sizes) - 2:
+            layers.append(eqx.nn.Lambda(jnp.tanh))
+    return eqx.nn.Sequential(layers)
+
+
+def _loss(laplacian_weights: tuple[float, ...] | None, operator: Callable) -> Callable:
+    """The PINN loss: `operator(interior) = f` inside, `u = g` on the boundary points."""
+
+    def loss(model, batch):
+        x_in, f, x_bd, g = batch
+        weights = None if laplacian_weights is None else jnp.asarray(laplacian_weights)
+        inner, edge = eqx_kfac.taylor_forward(
+            model,
+            [eqx_kfac.TaylorInput(x_in, laplacian_weights=weights), eqx_kfac.TaylorInput(x_bd, order=0)],
+        )
+        return eqx_kfac.register_residual_loss((operator(inner), f), (edge.value, g))
+
+    return loss
+
+
+def poisson2d(quick: bool, budget: float) -> Problem:
+    key = jax.random.key(0)
+    k_in, k_bd, k_ev = jax.random.split(key, 3)
+    x_in = jax.random.uniform(k_in, (900, 2))
+    x_bd = _boundary_points(k_bd, 120, 2)
+    solution = lambda x: jnp.prod(jnp.sin(jnp.pi * x), axis=-1)  # noqa: E731
+    batch = (x_in, 2 * jnp.pi**2 * solution(x_in), x_bd, jnp.zeros(len(x_bd)))
+    x_ev = jax.random.uniform(k_ev, (2000 if quick else 9000, 2))
+    return Problem(
+        "poisson2d", "2-D Poisson (2-40-40-40-1, 3,441 parameters)", _mlp((2, 40, 40, 40, 1)),
+        batch, _loss(None, lambda o: -o.laplacian), x_ev, solution(x_ev), budget,
+    )
+
+
+def poisson5d(quick: bool, budget: float) -> Problem:
+    key = jax.random.key(1)
+    k_in, k_bd, k_ev = jax.random.split(key, 3)
+    n_in, n_bd = (500, 125) if quick else (1000, 250)
+    x_in = jax.random.uniform(k_in, (n_in, 5))
+    x_bd = _boundary_points(k_bd, n_bd, 5)
+    solution = lambda x: jnp.sum(jnp.cos(jnp.pi * x), axis=-1)  # noqa: E731
+    batch = (x_in, jnp.pi**2 * solution(x_in), x_bd, solution(x_bd))
+    x_ev = jax.random.uniform(k_ev, (3000 if quick else 30000, 5))
+    return Problem(
+        "poisson5d", "5-D Poisson (5-64-64-48-48-1, 10,065 parameters)", _mlp((5, 64, 64, 48, 48, 1)),
+        batch, _loss(None, lambda o: -o.laplacian), x_ev, solution(x_ev), budget,
+    )
+
+
+KAPPA = 0.25
+
+
+def heat1d(quick: bool, budget: float) -> Problem:
+    key = jax.random.key(2)
+    k_in, k_t, k_x, k_ev = jax.random.split(key, 4)
+    x_in = jax.random.uniform(k_in, (900, 2))
+    # Initial points (t = 0) and boundary points (x = 0 or 1) form one point set of values.
+    x0 = jnp.stack([jnp.zeros(40), jax.random.uniform(k_x, (40,))], axis=1)
+    t = jax.random.uniform(k_t, (80,))
+    edges = jnp.stack([t, (jnp.arange(80) % 2).astype(t.dtype)], axis=1)
+    x_bd = jnp.concatenate([x0, edges])
+    solution = lambda tx: jnp.exp(-KAPPA * jnp.pi**2 * tx[..., 0]) * jnp.sin(jnp.pi * tx[..., 1])  # noqa: E731
+    batch = (x_in, jnp.zeros(len(x_in)), x_bd, solution(x_bd))
+    x_ev = jax.random.uniform(k_ev, (2000 if quick else 9000, 2))
+    # `laplacian_weights=(0, κ)` gives κ ∂²u/∂x² in the Laplacian channel, ∂u/∂t in the gradient.
+    return Problem(
+        "heat1d", "1-D heat equation (2-32-32-32-1, 2,241 parameters)", _mlp((2, 32, 32, 32, 1)),
+        batch, _loss((0.0, KAPPA), lambda o: o.gradient[:, 0] - o.laplacian), x_ev, solution(x_ev), budget,
+    )
+
+
+PROBLEMS = {"poisson2d": (poisson2d, 150.0), "poisson5d": (poisson5d, 180.0), "heat1d": (heat1d, 90.0)}
+ADAM_GRID = (1e-4, 1e-3, 1e-2)
+
+
+# --- methods: each returns `(state, step)` with `step(params, state, key) -> (params, state, loss)`
+
+
+def _split(problem: Problem) -> tuple[Any, Any]:
+    return eqx.partition(problem.model, eqx.is_inexact_array)
+
+
+def _optax_method(make: Callable[[Problem], optax.GradientTransformation], extra: str) -> Callable:
+    """A method built on an optax transformation; `extra` names what its `update` needs."""
+
+    def build(problem: Problem):
+        params, static = _split(problem)
+        optimizer = make(problem)
+
+        @jax.jit
+        def step(params, state, key):
+            del key
+            value_fn = lambda p: problem.loss(eqx.combine(p, static), problem.batch)  # noqa: E731
+            value, grads = jax.value_and_grad(value_fn)(params)
+            kwargs = dict(value=value, value_fn=value_fn)
+            if extra == "lbfgs":
+                kwargs["grad"] = grads
+            elif extra == "batch":
+                kwargs["batch"] = problem.batch
+            else:
+                kwargs = {}
+            updates, state = optimizer.update(grads, state, params, **kwargs)
+            return optax.apply_updates(params, updates), state, value
+
+        state = optimizer.init(params)
+        if extra == "lbfgs":
+            # optax.lbfgs starts some state entries weakly typed and returns them strongly typed:
+            # without this, its second call compiles again.
+            out = jax.eval_shape(step, params, state, jax.random.key(0))[1]
+            state = jax.tree.map(lambda x, s: x if s.weak_type else jnp.asarray(x, s.dtype), state, out)
+        return state, step
+
+    return build
+
+
+def _kfac_star(problem: Problem):
+    params, static = _split(problem)
+    optimizer = eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(problem.loss), l2_reg=0.0,
+        use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
+        initial_damping=1e-3, min_damping=1e-12, num_burnin_steps=0, curvature_ema=0.95,
+        inverse_update_period=1, estimation_mode="ggn_exact",
+        layer_tag_to_block_ctor={"taylor_dense": eqx_kfac.TaylorDenseKroneckerSum},
+    )
+    state = optimizer.init(problem.model, jax.random.key(0), problem.batch)
+
+    def step(params, state, key):
+        model, state, stats = optimizer.step(eqx.combine(params, static), state, key, batch=problem.batch)
+        return eqx.filter(model, eqx.is_inexact_array), state, stats["loss"]
+
+    return state, step
+
+
+def methods(problem: Problem) -> dict[str, Callable]:
+    """The methods compared on `problem`, by name."""
+    found = {f"Adam {lr:g}": _optax_method(lambda p, lr=lr: optax.adam(lr), "none") for lr in ADAM_GRID}
+    found["L-BFGS"] = _optax_method(lambda p: optax.lbfgs(), "lbfgs")
+    found["ENGD"] = _optax_method(
+        lambda p: eqx_kfac.engd(p.loss, (p.model, p.batch), damping=1e-8, solver=lx.Cholesky()), "batch"
+    )
+    found["K-FAC"] = _optax_method(
+        lambda p: eqx_kfac.pinn_kfac(p.loss, (p.model, p.batch), damping=1e-4, curvature_ema=0.0), "batch"
+    )
+    found["K-FAC*"] = _kfac_star
+    return found
+
+
+@dataclasses.dataclass
+class Run:
+    """One method's run: its state and the checkpoints `(seconds, steps, error, loss)`."""
+
+    name: str
+    params: Any
+    state: Any
+    step: Callable
+    elapsed: float = 0.0
+    steps: int = 0
+    first_call: float = float("nan")
+    checkpoints: list = dataclasses.field(default_factory=list)
+
+    def advance(self, problem: Problem, until: float) -> None:
+        """Takes steps until the run's own clock reaches `until`, then records a checkpoint."""
+        static = _split(problem)[1]
+        loss = jnp.nan
+        while self.elapsed < until:
+            start = time.perf_counter()
+            self.params, self.state, loss = self.step(self.params, self.state, jax.random.key(self.steps))
+            jax.block_until_ready((self.params, loss))
+            self.elapsed += time.perf_counter() - start
+            if self.steps == 0:
+                self.first_call = self.elapsed
+            self.steps += 1
+        model = eqx.combine(self.params, static)
+        self.checkpoints.append((self.elapsed, self.steps, problem.error(model), float(loss)))
+
+    def error_at(self, seconds: float) -> float:
+        """The error after the step that took the run's clock past `seconds` (the slice's end)."""
+        return next((e for t, _, e, _ in self.checkpoints if t >= seconds), self.checkpoints[-1][2])
+
+
+def run_problem(problem: Problem, slices: int, only: list[str] | None) -> list[Run]:
+    """All methods on `problem`, alternating in `slices` slices of the budget."""
+    params = _split(problem)[0]
+    runs = []
+    for name, build in methods(problem).items():
+        if only and name not in only:
+            continue
+        start = time.perf_counter()
+        state, step = build(problem)  # tracing for the registrations is part of the method's time
+        run = Run(name, params, state, step, elapsed=time.perf_counter() - start)
+        run.checkpoints.append((0.0, 0, problem.error(problem.model), float("nan")))
+        runs.append(run)
+    for k in range(1, slices + 1):
+        for run in runs:
+            run.advance(problem, problem.budget * k / slices)
+        print(f"  {problem.name}: slice {k}/{slices}: " + ", ".join(f"{r.name} {r.checkpoints[-1][2]:.2e}" for r in runs), flush=True)
+    return runs
+
+
+def table(problem: Problem, runs: list[Run]) -> str:
+    """A markdown table of the runs: steps, first call, and the error at fractions of the budget."""
+    budget = problem.budget
+    lines = [
+        f"**{problem.title}**, budget {budget:g} s",
+        "",
+        "| method | steps | first call (s) | error at 25% | error at 50% | error at 100% |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        errors = " | ".join(f"{run.error_at(budget * f):.2e}" for f in (0.25, 0.5, 1.0))
+        lines.append(f"| {run.name} | {run.steps} | {run.first_call:.1f} | {errors} |")
+    return "\n".join(lines)
+
+
+def ratios(problem: Problem, runs: list[Run]) -> str:
+    """K-FAC's error over each other method's, at the budget (below 1: K-FAC is ahead)."""
+    at_end = {r.name: r.error_at(problem.budget) for r in runs}
+    adam = min((v for k, v in at_end.items() if k.startswith("Adam")), default=float("nan"))
+    lines = []
+    for kfac in ("K-FAC", "K-FAC*"):
+        if kfac not in at_end:
+            continue
+        others = {"best Adam": adam, **{k: v for k, v in at_end.items() if k in ("L-BFGS", "ENGD")}}
+        parts = [f"{at_end[kfac] / v:.3g}x {k}" for k, v in others.items() if np.isfinite(v)]
+        lines.append(f"{kfac} error at {problem.budget:g} s: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def plot(problem: Problem, runs: list[Run], path: str) -> None:
+    """The relative L2 error over seconds and over steps (log scales), one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=90)
+    for run in runs:
+        t, s, e, _ = map(np.asarray, zip(*run.checkpoints))
+        style = "-" if "K-FAC" in run.name else "--"
+        axes[0].plot(t[1:], e[1:], style, label=run.name)
+        axes[1].plot(np.maximum(s[1:], 1), e[1:], style, label=run.name)
+    for ax, xlabel in zip(axes, ("seconds (from the first call)", "steps")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("relative L2 error")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(problem.title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short budgets and fewer points")
+    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
+    parser.add_argument("--methods", nargs="+", default=None, help="only these methods (by name)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds per method (default per problem)")
+    parser.add_argument("--slices", type=int, default=None, help="alternation slices per budget")
+    parser.add_argument("--plot-dir", default=None, help="write pinn_<problem>.png here")
+    parser.add_argument("--json", default=None, help="write the checkpoints here")
+    args = parser.parse_args()
+    results = {}
+    for name in args.problems:
+        make, default_budget = PROBLEMS[name]
+        budget = args.budget or (default_budget / 6 if args.quick else default_budget)
+        problem = make(args.quick, budget)
+        print(f"{problem.title}: {sum(x.size for x in jax.tree.leaves(_split(problem)[0]))} parameters", flush=True)
+        runs = run_problem(problem, args.slices or (6 if args.quick else 20), args.methods)
+        print(table(problem, runs))
+        print(ratios(problem, runs), flush=True)
+        if args.plot_dir:
+            plot(problem, runs, os.path.join(args.plot_dir, f"pinn_{name}.png"))
+        results[name] = {r.name: {"first_call": r.first_call, "checkpoints": r.checkpoints} for r in runs}
+        jax.clear_caches()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
