@@ -1,7 +1,10 @@
 """Faults and dtypes: what a bad batch, an overflow, a misuse or a low-precision model does to a
 run (issue: stable by default). Every case runs a handful of steps of a tiny MLP."""
 
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import equinox as eqx
@@ -164,6 +167,37 @@ def test_faults_in_a_row_stop_the_run_with_an_explanation():
     assert bool(stats["skipped"])
     with pytest.raises(Exception, match="2 consecutive steps were not applied"):
         opt.step(PROBLEM.params, state, jax.random.key(2), batch=nan_batch)
+
+
+def test_faults_in_a_row_stop_a_run_inside_jit_too():
+    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, max_consecutive_faults=1, **ADAPTIVE)
+    state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    step = eqx.filter_jit(lambda p, s, b: opt.step(p, s, jax.random.key(1), batch=b))
+    with pytest.raises(Exception, match="1 consecutive steps were not applied"):
+        jax.block_until_ready(step(PROBLEM.params, state, (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])))
+
+
+def test_the_step_called_directly_is_stored_by_the_persistent_cache(tmp_path):
+    # The guard checks its count in Python when `step` is called directly, so the compiled step
+    # holds no host callback, which JAX's persistent compilation cache refuses to store.
+    script = f"""
+import jax, equinox as eqx, eqx_kfac
+eqx_kfac.enable_compilation_cache({str(tmp_path)!r}, min_compile_time_secs=0.0)
+model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+x, y = jax.random.normal(jax.random.key(1), (8, 3)), jax.numpy.arange(8) % 2
+def loss(model, batch):
+    logits = jax.vmap(model)(batch[0])
+    eqx_kfac.register_softmax_cross_entropy_loss(logits, batch[1])
+    return -jax.numpy.mean(jax.nn.log_softmax(logits)[jax.numpy.arange(8), batch[1]])
+opt = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0,
+                         use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                         use_adaptive_damping=True)
+state = opt.init(model, jax.random.key(0), (x, y))
+opt.step(model, state, jax.random.key(1), batch=(x, y))
+"""
+    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
+    assert any(path.name.startswith("jit__jitted_step-") for path in tmp_path.iterdir())
 
 
 def test_a_step_that_raises_the_loss_is_rejected_and_the_damping_raised():

@@ -7,6 +7,8 @@ an error that says what happened once there are `max_consecutive_faults` of them
 skipping for ever in silence.
 """
 
+from typing import Any
+
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PyTree
@@ -108,8 +110,7 @@ class StepGuard(eqx.Module):
         return GuardDecision(~(skipped | rejected), skipped, rejected)
 
     def update(self, state: GuardState, decision: GuardDecision) -> GuardState:
-        """The state after a step; raises (at run time, inside `jit` too) when the faults in a row
-        reach `max_consecutive_faults`.
+        """The state after a step (pure: see `check` and `checked` for the error).
 
         **Arguments:**
 
@@ -121,7 +122,38 @@ class StepGuard(eqx.Module):
         The new `GuardState`.
         """
         count = jnp.where(decision.applied, 0, state.consecutive_faults + 1).astype(jnp.int32)
-        if self.max_consecutive_faults is not None:
-            message = _FAULTS_MESSAGE.format(n=self.max_consecutive_faults)
-            count = eqx.error_if(count, count >= self.max_consecutive_faults, message)
         return GuardState(count)
+
+    def _failed(self, count: Any) -> Any:
+        return self.max_consecutive_faults is not None and count >= self.max_consecutive_faults
+
+    def check(self, state: GuardState) -> None:
+        """Raises `RuntimeError` (in Python, on a concrete state) when the faults in a row reached
+        `max_consecutive_faults`. Reading the count waits for the step that computed it.
+
+        **Arguments:**
+
+        - `state`: the guard's state after a step.
+        """
+        if self._failed(int(state.consecutive_faults)):
+            raise RuntimeError(_FAULTS_MESSAGE.format(n=self.max_consecutive_faults))
+
+    def checked(self, state: GuardState) -> GuardState:
+        """`state`, raising at run time (inside `jit` too, through `eqx.error_if`) when the faults
+        in a row reached `max_consecutive_faults`. The error is a host callback: JAX's persistent
+        compilation cache does not store programs that contain one, so `Optimizer.step` called
+        directly checks in Python (`check`) instead.
+
+        **Arguments:**
+
+        - `state`: the guard's state after a step.
+
+        **Returns:**
+
+        The same state.
+        """
+        if self.max_consecutive_faults is None:
+            return state
+        count = state.consecutive_faults
+        message = _FAULTS_MESSAGE.format(n=self.max_consecutive_faults)
+        return GuardState(eqx.error_if(count, self._failed(count), message))

@@ -361,7 +361,7 @@ def skip_non_finite(
             lambda n, o: jnp.where(applied, n, o) if eqx.is_array(n) else n, new_inner, state.inner_state
         )
         return new_updates, SkipNonFiniteState(
-            new_inner, guard.update(state.guard_state, decision),
+            new_inner, guard.checked(guard.update(state.guard_state, decision)),
             state.total_skipped + (~applied).astype(jnp.int32),
         )
 

@@ -406,8 +406,21 @@ class Optimizer(eqx.Module):
         if data_iterator is None:
             check_batch(state.batch_signature, batch, "batch")
             args = (params, state, rng, batch, func_state, given)
-            return compiled_step(self, self._calibrated(args, True, global_step_int), True)
-        return self._step_from_iterator(params, state, rng, data_iterator, func_state, given, global_step_int)
+            out = compiled_step(self, self._calibrated(args, True, global_step_int), True)
+        else:
+            out = self._step_from_iterator(params, state, rng, data_iterator, func_state, given, global_step_int)
+        return self._checked_faults(out)
+
+    def _checked_faults(self, out: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The step's outputs, once the guard has checked its count of faults in a row: in
+        Python when the step ran (its compiled program then holds no host callback, so JAX's
+        persistent compilation cache can store it), inside the caller's trace otherwise."""
+        new_state = out[1]
+        if isinstance(new_state.step_counter, jax.core.Tracer):
+            checked = self.guard.checked(new_state.guard_state)
+            return (out[0], eqx.tree_at(lambda s: s.guard_state, new_state, checked), *out[2:])
+        self.guard.check(new_state.guard_state)
+        return out
 
     def _calibrated(self, args: tuple[Any, ...], burnin_in_graph: bool, step_int: int | None) -> tuple[Any, ...]:
         """The step's arguments with the damping calibrated when this is the first step and
