@@ -95,11 +95,21 @@ def _worker(process_id: int, port: int, out_path: str) -> None:
     batch = tuple(
         jax.make_array_from_process_local_data(sharding, np.asarray(a)[local]) for a in (x, y)
     )
-    model = jax.device_put(model, NamedSharding(mesh, PartitionSpec()))
+    replicated = jax.device_put(model, NamedSharding(mesh, PartitionSpec()))
     opt = _optimizer("ggn_exact", "adaptive", multi_device=True, mesh=mesh)
-    model, stats = _run(opt, "adaptive", model, batch)
-    np.savez(out_path, params=_flat(model), loss=np.asarray(stats["loss"]),
-             devices=jax.device_count())
+    replicated, stats = _run(opt, "adaptive", replicated, batch)
+    # The sharded layout on a 2-D mesh (processes x local devices), as docs/distributed.md says.
+    from eqx_kfac import sharding_by_size
+    from jax.experimental import multihost_utils
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, -1), ("kfac_axis", "model"))
+    sharded = eqx.filter_shard(model, sharding_by_size(model, mesh))
+    opt = _optimizer("ggn_exact", "adaptive", multi_device=True, mesh=mesh, shard_state=True)
+    sharded, _ = _run(opt, "adaptive", sharded, batch)
+    sharded = jax.tree.map(lambda a: multihost_utils.process_allgather(a, tiled=True),
+                           eqx.filter(sharded, eqx.is_array))
+    np.savez(out_path, params=_flat(replicated), sharded=_flat(sharded),
+             loss=np.asarray(stats["loss"]), devices=jax.device_count())
     jax.distributed.shutdown()
 
 
@@ -270,7 +280,8 @@ def _free_port():
 
 
 def test_two_processes_agree_with_one(tmp_path):
-    """Two processes (2 CPU devices each, localhost coordinator) equal one device on the batch."""
+    """Two processes (2 CPU devices each, localhost coordinator) equal one device on the batch,
+    with the state replicated and with it sharded over a 2 x 2 mesh."""
     port = _free_port()
     flags = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
@@ -291,4 +302,5 @@ def test_two_processes_agree_with_one(tmp_path):
         result = np.load(tmp_path / f"p{i}.npz")
         assert int(result["devices"]) == 4
         _assert_same_update(model, single, result["params"])
+        _assert_same_update(model, single, result["sharded"])
         np.testing.assert_allclose(result["loss"], single_stats["loss"], rtol=1e-9)
