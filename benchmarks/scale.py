@@ -286,7 +286,8 @@ def _per_device(leaves, mesh_shape):
     total = 0
     for x in leaves:
         spec = _spec(tuple(x.shape), sizes)
-        split = math.prod(sizes[n] for part in spec if part for n in ((part,) if isinstance(part, str) else part))
+        names = [n for part in spec if part for n in ((part,) if isinstance(part, str) else part)]
+        split = math.prod(sizes[n] for n in names)
         total += x.size * x.dtype.itemsize // split
     return total
 

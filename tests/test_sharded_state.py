@@ -87,7 +87,8 @@ def _flat(tree):
 def _laid_out(tree, shardings):
     """Whether every array of `tree` has the sharding given for it (up to the spec's spelling)."""
     arrays = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
-    return all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(arrays, jax.tree.leaves(shardings), strict=True))
+    pairs = zip(arrays, jax.tree.leaves(shardings), strict=True)
+    return all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in pairs)
 
 
 def _bytes(tree):

@@ -20,8 +20,8 @@ optimizer's step reads the same for one and many devices.
 **Sharded state (SPMD).** With the state sharded, the step is one program over global arrays
 (`spmd_call`), written as for one device, and JAX's SPMD partitioner splits it over the mesh: the
 batch along its first axis over the data axis, the optimizer state by `sharding_by_size` over every
-axis of the mesh (each array along its largest axis that divides evenly, matrices of a stack along
-the stack first), the parameters as the caller placed them. No array of the state is whole on any
+axis of the mesh (each mesh axis splitting an array axis it divides evenly, the stack of stacked
+factors first), the parameters as the caller placed them. No array of the state is whole on any
 device between steps; the partitioner gathers a factor where a computation needs all of it (a
 factorisation) and reduces the statistics of the batch shards into their owners' shards.
 """
@@ -282,7 +282,8 @@ def sharded_call(
     """Calls `fn(*args)` once per device under `jax.shard_map`, splitting `args[batch_index]`.
 
     Every other argument is replicated, and so are the batch's scalars (0-d arrays); so must be
-    every output (`fn` reduces what depends on the batch). Non-array leaves (static parts of Equinox modules, `None`s) stay outside the map.
+    every output (`fn` reduces what depends on the batch). Non-array leaves (static parts of
+    Equinox modules, `None`s) stay outside the map.
 
     **Arguments:**
 

@@ -150,8 +150,9 @@ def eigh(matrix: Float[Array, "*batch n n"]) -> tuple[Float[Array, "*batch n"], 
     The same values as `jnp.linalg.eigh(matrix, symmetrize_input=False)` (the lower triangle is
     read): ascending eigenvalues and orthonormal eigenvectors as columns. On CPU, leading batch
     axes and `jax.vmap` loop over the matrices instead of making one batched LAPACK call; on GPU
-    and TPU they make one batched call (see the module notes). The derivative is the usual one for distinct eigenvalues; the eigenvector tangents of
-    equal eigenvalues, where the eigenvectors are not unique, are taken as zero.
+    and TPU they make one batched call (see the module notes). The derivative is the usual one
+    for distinct eigenvalues; the eigenvector tangents of equal eigenvalues, where the
+    eigenvectors are not unique, are taken as zero.
 
     **Arguments:**
 

@@ -202,8 +202,9 @@ class Optimizer(eqx.Module):
           `None` folds in every finite batch).
         - Devices: `multi_device`, `mesh`, `pmap_axis_name`, `distributed_inverses`,
           `distributed_precon_apply`, `shard_state` (with `multi_device`: the state sharded over
-          the mesh and the step one SPMD program, see the "Multi-device" page); buffers: `donate_parameters`, `donate_optimizer_state`,
-          `donate_batch_inputs`, `donate_func_state`.
+          the mesh and the step one SPMD program, see the "Multi-device" page); buffers:
+          `donate_parameters`, `donate_optimizer_state`, `donate_batch_inputs`,
+          `donate_func_state`.
         - `value_func`, `value_func_for_estimator`, `batch_process_func`,
           `include_norms_in_stats`, `include_per_param_norms_in_stats`.
         - `damping_rule`, `step_rule`, `direction`, `refresh`, `guard`: parts given directly
@@ -218,7 +219,9 @@ class Optimizer(eqx.Module):
         if mesh is not None:
             _distributed.check_mesh(mesh, pmap_axis_name)
         if shard_state and not multi_device:
-            raise ValueError("shard_state=True shards the state over the devices: it needs multi_device=True.")
+            raise ValueError(
+                "shard_state=True shards the state over the devices: it needs multi_device=True."
+            )
         self.function = _value_function(
             value_and_grad_func, value_func, value_func_for_estimator,
             (value_func_has_aux, value_func_has_state, value_func_has_rng), batch_process_func,
