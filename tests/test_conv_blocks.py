@@ -86,6 +86,8 @@ _CONFIGS = {
     "nchw_oihw": dict(lhs="NCHW", rhs="OIHW", strides=(2, 1), padding=((1, 1), (0, 2))),
     "nhwc_ohwi_no_bias": dict(rhs="OHWI", bias=False, rhs_dilation=(2, 1), padding=((2, 1), (1, 0))),
     "nchw_strided_lhs_dilation": dict(lhs="NCHW", rhs="OIHW", lhs_dilation=(2, 1), strides=(2, 2)),
+    # A transposed convolution (`eqx.nn.ConvTranspose2d`): input dilation, stride 1.
+    "transposed": dict(lhs_dilation=(2, 2), padding=((2, 1), (1, 2))),
     "depthwise": dict(groups=4, out_channels=8, padding=((1, 1), (1, 0))),
     "grouped_nchw": dict(lhs="NCHW", rhs="OIHW", groups=2, out_channels=6, strides=(1, 2)),
 }
@@ -131,6 +133,8 @@ def _kernel_index_map(spec):
         ("nchw_oihw", "patches"),
         ("nhwc_ohwi_no_bias", "auto"),
         ("nchw_strided_lhs_dilation", "auto"),
+        ("transposed", "auto"),
+        ("transposed", "patches"),
     ],
 )
 def test_kronecker_factors_equal_explicit_formulas(getkey, name, patches_method):

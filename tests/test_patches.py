@@ -138,6 +138,34 @@ def test_efficient_equals_explicit_and_numpy(config):
     np.testing.assert_allclose(first, ref_first, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    "kernel, dilation, padding, channels, depthwise, weighting",
+    [
+        ((3, 3), (2, 2), ((1, 2), (1, 2)), 3, False, None),
+        ((4, 2), (2, 3), ((2, 2), (0, 1)), 2, False, "locations"),
+        ((5, 3), (2, 2), ((0, 3), (2, 0)), 4, True, "batch"),
+        ((3, 3), (3, 3), ((2, 2), (2, 2)), 1, False, "locations"),
+    ],
+)
+def test_transposed_convolutions_equal_numpy(getkey, kernel, dilation, padding, channels, depthwise, weighting):
+    # Input dilation with stride 1 (a transposed convolution) takes the residue-class path: the
+    # patches of the undilated input, one smaller kernel per class of output locations.
+    x = jax.random.normal(getkey(), (2, 5, 4, channels), dtype=jnp.float64)
+    kwargs = dict(kernel_spatial_shape=kernel, strides=1, padding=padding, data_format="NHWC",
+                  inputs_dilation=dilation, feature_group_count=channels if depthwise else 1)
+    out_spatial = tuple(
+        (s - 1) * d + 1 + lo + hi - k + 1 for s, d, (lo, hi), k in zip((5, 4), dilation, padding, kernel)
+    )
+    weights, dense_w = _weighting(getkey(), weighting, 2, out_spatial)
+    second, first = eqx.filter_jit(patches_moments)(x, weighting_array=weights, **kwargs)
+    ref_second, ref_first, ref_out = _numpy_reference(
+        x, kernel, (1, 1), padding, dilation, (1, 1), depthwise, dense_w
+    )
+    assert ref_out == out_spatial
+    np.testing.assert_allclose(second, ref_second.reshape(second.shape), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(first, ref_first, rtol=1e-10, atol=1e-10)
+
+
 def _num_chunks(x, **kwargs):
     """The length of `patches_moments`' loop over chunks of examples (traced, not run)."""
     jaxpr = jax.make_jaxpr(functools.partial(patches_moments, **kwargs))(x)

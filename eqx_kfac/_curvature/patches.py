@@ -22,6 +22,7 @@ large as the image) were 2-5x slower than one matrix product of the patches.
 """
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -322,6 +323,115 @@ def _moments_by_chunks(
     return lax.scan(accumulate, zeros, (x, weights))[0]
 
 
+class _ResidueClass(NamedTuple):
+    """The output locations `o ≡ r (mod s)` of an input-dilated convolution along one dimension,
+    and the kernel offsets that read non-zero inputs there.
+
+    With input dilation `s` (stride 1, no kernel dilation), output `o = r + s·m` at kernel offset
+    `j` reads input `m + u + base` when `j = first + s·u`, and an inserted zero otherwise.
+    """
+
+    residue: int
+    first: int
+    offsets: int
+    outputs: int
+    base: int
+
+
+def _residue_classes(size: int, kernel: int, dilation: int, pad_lo: int, outputs: int) -> list[_ResidueClass]:
+    classes = []
+    for r in range(min(dilation, outputs)):
+        first = (pad_lo - r) % dilation
+        offsets = max(0, -(-(kernel - first) // dilation))
+        count = -(-(outputs - r) // dilation)
+        if offsets and count:
+            classes.append(_ResidueClass(r, first, offsets, count, (r + first - pad_lo) // dilation))
+    return classes
+
+
+def _moments_of_dilated(
+    inputs: Float[Array, "..."],
+    geometry: _Geometry,
+    weights: Float[Array, "..."] | None,
+    precision: lax.Precision | None,
+    method: str,
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """`_moments_by_chunks` for an input-dilated convolution (a transposed one), from the
+    undilated input.
+
+    A patch of the dilated input is non-zero only at the kernel offsets of its output location's
+    residue class (`_ResidueClass`), where it is an ordinary patch of the undilated input with a
+    smaller kernel. The second moment is therefore block diagonal (up to a permutation of the
+    offsets), one block per class, each the moments of a stride-1 convolution of the undilated
+    input: together about the cost of the convolution itself, instead of `prod(dilation)²`
+    times more for the patches of the dilated input, which are mostly zeros.
+    """
+    n = geometry.num_spatial
+    size = [inputs.shape[a] for a in geometry.lhs_spec[2:]]
+    per_dim = [
+        _residue_classes(i, k, d, lo, o)
+        for i, k, d, (lo, _), o in zip(
+            size, geometry.kernel, geometry.inputs_dilation, geometry.padding, geometry.output_spatial
+        )
+    ]
+    channels = inputs.shape[geometry.lhs_spec[1]]
+    kernel_size = math.prod(geometry.kernel)
+    trailing = (channels,) if geometry.per_channel else (channels, channels)
+    second = jnp.zeros((kernel_size, kernel_size, *trailing), inputs.dtype)
+    first = jnp.zeros((kernel_size, channels), inputs.dtype)
+    for classes in itertools.product(*per_dim):
+        sub = geometry._replace(
+            kernel=tuple(c.offsets for c in classes),
+            strides=(1,) * n,
+            padding=tuple(
+                (-c.base, c.outputs + c.offsets - 2 + c.base - (i - 1)) for c, i in zip(classes, size)
+            ),
+            inputs_dilation=(1,) * n,
+            output_spatial=tuple(c.outputs for c in classes),
+        )
+        sub_weights = None if weights is None else weights[
+            (slice(None), *(slice(None) if w == 1 else slice(c.residue, None, d)
+                            for c, w, d in zip(classes, weights.shape[1:], geometry.inputs_dilation)))
+        ]
+        sub_second, sub_first = _moments_by_chunks(inputs, sub, sub_weights, precision, method)
+        index = np.ravel_multi_index(
+            np.meshgrid(*[c.first + d * np.arange(c.offsets) for c, d in zip(classes, geometry.inputs_dilation)],
+                        indexing="ij"),
+            geometry.kernel,
+        ).ravel()
+        k = len(index)
+        if geometry.per_channel:
+            block = sub_second
+        else:
+            block = sub_second.reshape(k, channels, k, channels).transpose(0, 2, 1, 3)
+        second = second.at[np.ix_(index, index)].set(block)
+        first = first.at[index].set(sub_first.reshape(k, channels))
+    if geometry.per_channel:
+        return second, first
+    full = kernel_size * channels
+    return second.transpose(0, 2, 1, 3).reshape(full, full), first.reshape(full)
+
+
+def _moments_by_method(
+    inputs: Float[Array, "..."],
+    geometry: _Geometry,
+    weights: Float[Array, "..."] | None,
+    precision: lax.Precision | None,
+    method: str,
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """`patches_moments`' computation: from the undilated input's residue classes for an
+    input-dilated convolution with stride 1 and no kernel dilation (the transposed
+    convolutions), from strided slices of the padded input otherwise."""
+    n = geometry.num_spatial
+    if (
+        geometry.inputs_dilation != (1,) * n
+        and geometry.strides == (1,) * n
+        and geometry.kernel_dilation == (1,) * n
+    ):
+        return _moments_of_dilated(inputs, geometry, weights, precision, method)
+    return _moments_by_chunks(inputs, geometry, weights, precision, method)
+
+
 def _num_chunks(method: str, batch: int, example_bytes: int) -> int:
     """Into how many chunks of equal size (up to padding) `_moments_by_chunks` cuts the batch."""
     if method == "patches":
@@ -479,7 +589,7 @@ def patches_moments(
     if method not in METHODS:
         raise ValueError(f"patches_moments: `method` must be one of {METHODS}, got {method!r}.")
     return _moments(
-        functools.partial(_moments_by_chunks, method=method), inputs, kernel_spatial_shape,
+        functools.partial(_moments_by_method, method=method), inputs, kernel_spatial_shape,
         strides, padding, data_format, feature_group_count, precision, weighting_array,
         dimension_numbers, inputs_dilation, kernel_dilation,
     )
