@@ -185,13 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         outcomes.append(result[0])
         registrations.append(result[1])
-        print("\n".join(report.table(outcomes[-1:]).splitlines()[2:]), flush=True)
+        print("\n".join(report.table(outcomes[-1:], grid_seconds=False).splitlines()[2:]), flush=True)
         print(report.summary(outcomes[-1]), flush=True)
         if args.plots:
             report.plot(outcomes[-1], os.path.join(args.plots, f"examples_{name}.png"))
     baselines = {o.problem: EXAMPLES[o.problem].NOTEBOOK_OPTIMIZER.name for o in outcomes}
     sections = [
-        report.table(outcomes),
+        report.table(outcomes, grid_seconds=False),
         report.first_call_table(outcomes, baselines),
         "\n".join(registrations),
         "\n".join([*(report.summary(outcome) for outcome in outcomes), *failures]),

@@ -39,18 +39,19 @@ def _rate(runs: Sequence, grid: Sequence) -> str:
     return f"{runs[0].learning_rate:g} ({rates})"
 
 
-def table(outcomes: Sequence[Outcome]) -> str:
+def table(outcomes: Sequence[Outcome], grid_seconds: bool = True) -> str:
     """The markdown table: one row per problem and method.
 
     Values over seeds are `median [min, max]`, with `(k/n)` when only `k` of the `n` seeds
-    reached the target or stayed finite. `grid s` is the wall time of the whole learning-rate
-    search of that method (seed 0), what tuning it cost.
+    reached the target or stayed finite. `grid s` (left out when `grid_seconds` is false, for
+    outcomes without a learning-rate search) is the wall time of the whole learning-rate search of
+    that method (seed 0), what tuning it cost.
     """
-    header = (
-        "| problem | method | lr (grid) | final loss | steps to target | s to target (first call) "
-        "| s to target (compiled) | ms/step | first call s | grid s |"
+    columns = (
+        "problem | method | lr (grid) | final loss | steps to target | s to target (first call) "
+        "| s to target (compiled) | ms/step | first call s" + (" | grid s" if grid_seconds else "")
     )
-    lines = [header, "|" + "---|" * 10]
+    lines = [f"| {columns} |", "|" + "---|" * (columns.count("|") + 1)]
     for outcome in outcomes:
         for method, runs in outcome.seeds.items():
             grid = outcome.grids[method]
@@ -63,7 +64,7 @@ def table(outcomes: Sequence[Outcome]) -> str:
                 f"| {_spread([np.inf if r is None else r.compiled for r in reaches], '.2f')} "
                 f"| {_spread([r.ms_per_step for r in runs], '.1f')} "
                 f"| {_spread([r.first_call.total for r in runs], '.1f')} "
-                f"| {sum(r.wall for r in grid):.0f} |"
+                + (f"| {sum(r.wall for r in grid):.0f} |" if grid_seconds else "|")
             )
     return "\n".join(lines)
 
