@@ -5,6 +5,7 @@ A benchmark builds `Problem`s (or takes them from `benchmarks.model_zoo`), train
 `Method`s through `train`/`run_round`, and reports the `Run`s grouped into `Outcome`s:
 
 ```python
+import jax
 from benchmarks.harness import Method, Outcome, report, run_round
 from benchmarks.model_zoo import PROBLEMS
 
