@@ -8,9 +8,10 @@ solver call stands outside any loop (a stack of factors is one batched call, nev
 single-matrix calls), there are no host callbacks, and bf16 parameters get float32 statistics and
 factorisations. `tests/test_no_deadlock.py` checks the CPU program.
 
-The step guard's `max_consecutive_faults` error is an `eqx.error_if`, whose run-time error is a host
-callback (inside a branch taken only when the run has failed); callbacks cannot be exported, so the
-exported steps here turn it off (`max_consecutive_faults=None`).
+The step guard's `max_consecutive_faults` check is made in Python after a directly called step (its
+program has no host callback), but inside a caller's `jit`, as here, it is an `eqx.error_if`, whose
+run-time error is a host callback; callbacks cannot be exported, so the exported steps here turn it
+off (`max_consecutive_faults=None`).
 """
 
 import dataclasses
