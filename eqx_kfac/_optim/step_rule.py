@@ -140,10 +140,11 @@ class MomentumStep(AbstractStepRule):
     - `learning_rate`, `momentum`: where each comes from (`GivenHyperparameter`,
       `ScheduledHyperparameter` or `AdaptiveHyperparameter`).
     - `include_damping_in_quad_change`: include the damping term in the predicted change.
-    - `max_predicted_decrease`: a trust region for adapted coefficients, `τ` or `None`: when the
-      quadratic model predicts a decrease larger than `τ·|L|` (`L` the loss on the batch), both
-      coefficients are scaled down until it predicts exactly that. A loss bounded below by zero
-      cannot fall by more than itself; on a minibatch whose exact curvature is nearly flat along
+    - `max_predicted_decrease`: a trust region when both coefficients are adapted, `τ` or `None`:
+      when the quadratic model predicts a decrease larger than `τ·|L|` (`L` the loss on the
+      batch), both coefficients are scaled down until it predicts exactly that (a given or
+      scheduled coefficient is never changed, so with one the limit does not apply). A loss
+      bounded below by zero cannot fall by more than itself; on a minibatch whose exact curvature is nearly flat along
       the step (seen on digits once most batches are fitted: a predicted change of -3,000 for a
       loss of 0.2, and a loss of 1e9 after the step), the model's minimiser is far outside the
       region where it is right.
@@ -206,7 +207,8 @@ class MomentumStep(AbstractStepRule):
             self.include_damping_in_quad_change,
         )
         w, change = jnp.stack(solution.coefficients), solution.change
-        if self.max_predicted_decrease is not None:
+        both_adapted = self.learning_rate.adapted and self.momentum.adapted
+        if self.max_predicted_decrease is not None and both_adapted:
             limit = self.max_predicted_decrease * jnp.abs(context.loss).astype(change.dtype)
             scale = _within_decrease(change, jnp.dot(w, model.b), limit)
             w, change = scale * w, _scaled_change(change, jnp.dot(w, model.b), scale)
