@@ -18,6 +18,7 @@ from typing import Any
 import equinox as eqx
 
 from .._core import distributed as _distributed
+from .abstract_optimizer import AbstractOptimizer
 from .optimizer_state import OptimizerState
 from .optimizer_step import burnin_update, step_body
 
@@ -25,7 +26,7 @@ from .optimizer_step import burnin_update, step_body
 # --- multi-device: the `shard_map` step, the sharded (SPMD) step and its initial state ---------
 
 
-def device_mesh(optimizer: Any) -> Any:
+def device_mesh(optimizer: AbstractOptimizer) -> Any:
     """The optimizer's mesh: `mesh=` if given, else a 1-D mesh of all devices (the data axis)."""
     if optimizer.mesh is not None:
         return optimizer.mesh
@@ -36,7 +37,7 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, OptimizerState)
 
 
-def _maybe_sharded(optimizer: Any, fn: Callable[..., Any], *args: Any) -> Any:
+def _maybe_sharded(optimizer: AbstractOptimizer, fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(optimizer, *args)`, under `shard_map` with the batch (`args[3]`) split when
     `multi_device`, or as one SPMD program with the state sharded when also `shard_state`."""
     if not optimizer.multi_device:
@@ -50,7 +51,9 @@ def _maybe_sharded(optimizer: Any, fn: Callable[..., Any], *args: Any) -> Any:
     )
 
 
-def initial_state(optimizer: Any, build: Callable[..., OptimizerState], *args: Any) -> OptimizerState:
+def initial_state(
+    optimizer: AbstractOptimizer, build: Callable[..., OptimizerState], *args: Any
+) -> OptimizerState:
     """`build(*args)`, the optimizer's initial state; with `shard_state`, built by one compiled
     program whose outputs are laid out by `sharding_by_size` (no device holds the whole state, not
     even while it is created).
@@ -87,7 +90,10 @@ def _jitted_donating_step(kept, donated, optimizer, burnin_in_graph):
 
 
 def compiled_step(
-    optimizer: Any, args: tuple[Any, ...], burnin_in_graph: bool, calibrating: bool = False
+    optimizer: AbstractOptimizer,
+    args: tuple[Any, ...],
+    burnin_in_graph: bool,
+    calibrating: bool = False,
 ) -> Any:
     """Runs `step_body(optimizer, *args, burnin_in_graph, calibrating)` compiled, donating as
     configured (a calibration trial never donates).

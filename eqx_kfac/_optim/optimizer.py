@@ -31,6 +31,7 @@ from .._core import distributed as _distributed
 from .._core.control_flow import select_changed
 from .._core.tree import signature
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
+from .abstract_optimizer import AbstractOptimizer
 from .arguments import check_batch, check_func_state, check_params, check_scalar_loss, params_signature
 from .compilation import compiled_step, initial_state, jitted_burnin
 from .damping import AbstractDampingRule
@@ -69,7 +70,7 @@ def _value_function(
     )
 
 
-class Optimizer(eqx.Module):
+class Optimizer(AbstractOptimizer):
     """The K-FAC optimizer (kfac-jax's `Optimizer`, Equinox-native, pure, and built from parts).
 
     Build it once from a `value_and_grad_func`; `init` creates an `Optimizer.State`; `step`
@@ -267,12 +268,6 @@ class Optimizer(eqx.Module):
     def direction(self) -> AbstractDirection:
         """The preconditioner's direction."""
         return self.preconditioner.direction
-
-    @property
-    def axis_name(self) -> str | None:
-        """The data axis inside the step, `None` on one device (and in the SPMD program of
-        `shard_state`, which is written for global arrays)."""
-        return self.pmap_axis_name if self.multi_device and not self.shard_state else None
 
     def estimators(
         self, func_args: Sequence[Any]

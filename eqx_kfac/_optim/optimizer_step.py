@@ -22,12 +22,12 @@ from .._core import distributed as _distributed
 from .._core.control_flow import select_changed
 from .._core.tree import all_finite
 from .damping import StepOutcome
+from .abstract_optimizer import AbstractOptimizer
 from .optimizer_state import OptimizerState
 from .step_context import GivenValues, StepContext
 
 
-
-def _curvature_args(optimizer: eqx.Module, params: Any, func_state: Any, batch: Any):
+def _curvature_args(optimizer: AbstractOptimizer, params: Any, func_state: Any, batch: Any):
     """The value function's arguments for a curvature update with key `k` (its randomness, if
     any, drawn from `k`)."""
 
@@ -39,7 +39,8 @@ def _curvature_args(optimizer: eqx.Module, params: Any, func_state: Any, batch: 
 
 
 def burnin_update(
-    optimizer: eqx.Module, params: Any, state: OptimizerState, key: PRNGKeyArray, batch: Any, func_state: Any
+    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, key: PRNGKeyArray, batch: Any,
+    func_state: Any,
 ) -> OptimizerState:
     """One burn-in curvature update from a data iterator: summed statistics."""
     func_args = _curvature_args(optimizer, params, func_state, optimizer.function.process(batch))(key)
@@ -51,7 +52,9 @@ def burnin_update(
     return eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
 
 
-def _norms(optimizer: eqx.Module, params: Any, grads: Any, direction: Any, delta: Any) -> dict[str, Array]:
+def _norms(
+    optimizer: AbstractOptimizer, params: Any, grads: Any, direction: Any, delta: Any
+) -> dict[str, Array]:
     """The norms asked for by `include_norms_in_stats` (whole vectors) and
     `include_per_param_norms_in_stats` (per leaf, named `name(path)`)."""
     trees = dict(
@@ -71,7 +74,7 @@ def _norms(optimizer: eqx.Module, params: Any, grads: Any, direction: Any, delta
 
 
 def _evaluate(
-    optimizer: eqx.Module, params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
+    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
     func_state: Any, given: GivenValues, calibrating: bool,
 ) -> tuple[StepContext, PRNGKeyArray, Any, Any]:
     """The loss and gradient, as a `StepContext`; the curvature's key, new function state, aux."""
@@ -91,7 +94,7 @@ def _evaluate(
 
 
 def _refreshed_curvature(
-    optimizer: eqx.Module, context: StepContext, key: PRNGKeyArray, finite: Any,
+    optimizer: AbstractOptimizer, context: StepContext, key: PRNGKeyArray, finite: Any,
     identity_weight: Array, burnin_in_graph: bool, params: Any, func_state: Any, batch: Any,
 ) -> Any:
     """The estimator state after this step's curvature updates and cache refresh (none of them
@@ -117,7 +120,7 @@ def _apply(params: PyTree, delta: PyTree) -> PyTree:
 
 
 def step_body(
-    optimizer: eqx.Module, params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
+    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
     func_state: Any, given: GivenValues, burnin_in_graph: bool, calibrating: bool = False,
 ) -> tuple[Any, ...]:
     """One K-FAC step of `optimizer`, as `Optimizer.step` returns it (pure; jitted by the caller).
