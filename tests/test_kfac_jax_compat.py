@@ -60,6 +60,15 @@ def _batch(key, n=6):
     return jax.random.normal(k1, (n, 5, 4)), jax.random.normal(k2, (n,))
 
 
+@eqx.filter_jit
+def _curvature_matrix(estimator, func_args, batch_size):
+    """The estimator's dense matrix after one update from zero (compiled: quicker than eager)."""
+    state = estimator.update_curvature_matrix_estimate(
+        estimator.init(jax.random.key(0)), 0.0, 1.0, batch_size, jax.random.key(1), func_args
+    )
+    return estimator.to_dense_matrix(state)
+
+
 def _update(transform, params, batch):
     state = transform.init(params)
     grads = jax.grad(_loss)(params, batch)
@@ -110,8 +119,7 @@ def test_register_dense_variants(getkey):
         return eqx_kfac.BlockDiagonalCurvature(lambda p, b: loss(p, b, variant), (params, batch), **kwargs)
 
     def curvature(est):
-        state = est.update_curvature_matrix_estimate(est.init(jax.random.key(0)), 0.0, 1.0, 6, jax.random.key(1), (params, batch))
-        return est.to_dense_matrix(state)
+        return _curvature_matrix(est, (params, batch), 6)
 
     plain, repeated = estimator("dense"), estimator("repeated_dense")
     (layer,) = [b for b in repeated.blocks if "['w']" in b.spec.param_paths]
@@ -165,11 +173,11 @@ def test_default_parameters_of_a_pattern_without_extractor(getkey):
     )
     (block,) = estimator.blocks
     assert (block.spec.origin, block.spec.get("weight_layout")) == ("transposed", "out_in")
-    state = estimator.update_curvature_matrix_estimate(estimator.init(jax.random.key(0)), 0.0, 1.0, 6, jax.random.key(0), (w, (x, y)))
+    matrix = _curvature_matrix(estimator, (w, (x, y)), 6)
     # A linear layer with squared error: the K-FAC block of one layer is exact on one example;
     # here it is compared with the exact GGN's Kronecker structure: (A ⊗ I) for out_in rows.
     a = jnp.tanh(x).T @ jnp.tanh(x) / 6
-    np.testing.assert_allclose(estimator.to_dense_matrix(state), 2.0 * jnp.kron(jnp.eye(4), a), rtol=1e-10)
+    np.testing.assert_allclose(matrix, 2.0 * jnp.kron(jnp.eye(4), a), rtol=1e-10)
 
 
 def _nd_params(key):
@@ -198,7 +206,7 @@ def test_nd_dense_weights_are_exact_where_kfac_is(getkey, manual):
     def exact_ggn(batch):
         flat, unravel = jax.flatten_util.ravel_pytree(params)
         out = lambda p: jnp.tanh(jnp.tensordot(batch[0], unravel(p)["w"], axes=2) + unravel(p)["b"]).reshape(-1)
-        jac = jax.jacobian(out)(flat)
+        jac = jax.jit(jax.jacobian(out))(flat)
         return 2.0 * jac.T @ jac / batch[0].shape[0]  # squared error: the loss's GGN is 2 I
 
     def curvature(batch, block=None):
@@ -210,8 +218,7 @@ def test_nd_dense_weights_are_exact_where_kfac_is(getkey, manual):
         assert (layer.spec.param_shapes, layer.spec.origin) == (
             ((2, 3, 4, 5), (4, 5)), "manual" if manual else "dense_general_2x2_with_bias"
         )
-        state = estimator.update_curvature_matrix_estimate(estimator.init(jax.random.key(0)), 0.0, 1.0, batch[0].shape[0], jax.random.key(0), (params, batch))
-        return np.asarray(estimator.to_dense_matrix(state))
+        return np.asarray(_curvature_matrix(estimator, (params, batch), batch[0].shape[0]))
 
     batch = (jax.random.normal(getkey(), (3, 2, 3)), jax.random.normal(getkey(), (3, 20)))
     if manual:

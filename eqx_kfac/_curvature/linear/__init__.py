@@ -1,1 +1,0 @@
-"""Structured lineax operators (Kronecker, block-diagonal), their factorisations and solvers."""
