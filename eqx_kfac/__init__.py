@@ -27,7 +27,7 @@ from ._curvature.blocks import (
     WeightedMovingAverage as WeightedMovingAverage,
 )
 from ._tracing.losses.custom import CustomLoss as CustomLoss, register_custom_loss as register_custom_loss
-from ._curvature.curvature_operators import (
+from ._curvature.operators.curvature import (
     AbstractCurvatureOperator as AbstractCurvatureOperator,
     AbstractParameterLayout as AbstractParameterLayout,
     AbstractSliceCurvatureOperator as AbstractSliceCurvatureOperator,
@@ -59,7 +59,7 @@ from ._tracing.graph_matcher import (
     GraphPattern as GraphPattern,
     auto_register_tags as auto_register_tags,
 )
-from ._curvature.kfac_operator import (
+from ._curvature.operators.kfac import (
     kfac_linear_operator as kfac_linear_operator,
     KFACLinearOperator as KFACLinearOperator,
 )
@@ -80,11 +80,11 @@ from ._tracing.losses import (
     register_softmax_cross_entropy_loss as register_softmax_cross_entropy_loss,
     register_squared_error_loss as register_squared_error_loss,
 )
-from ._curvature.linear.operators import (
+from ._curvature.operators.structured import (
     BlockDiagonalOperator as BlockDiagonalOperator,
     KroneckerOperator as KroneckerOperator,
 )
-from ._curvature.linear.kronecker import (
+from ._curvature.operators.kronecker_powers import (
     kronecker_damped_matpower as kronecker_damped_matpower,
     kronecker_damped_solve as kronecker_damped_solve,
     kronecker_eigh as kronecker_eigh,
@@ -92,11 +92,11 @@ from ._curvature.linear.kronecker import (
     pi_adjusted_damped_factors as pi_adjusted_damped_factors,
     pi_adjusted_inverse as pi_adjusted_inverse,
 )
-from ._curvature.linear.solvers import (
+from ._curvature.solvers.kronecker import (
     KroneckerEigenSolver as KroneckerEigenSolver,
     KroneckerPiAdjustedSolver as KroneckerPiAdjustedSolver,
 )
-from ._curvature.linear.spectral import (
+from ._curvature.operators.spectral import (
     eigenvalues as eigenvalues,
     frobenius_norm as frobenius_norm,
     logdet as logdet,
@@ -189,7 +189,7 @@ from ._curvature.patches import (
     patches_moments as patches_moments,
     patches_moments_explicit as patches_moments_explicit,
 )
-from ._curvature.solvers import (
+from ._curvature.solvers.estimator import (
     damped_block_operator as damped_block_operator,
     solve as solve,
     solve_block as solve_block,

@@ -19,13 +19,19 @@ LAYERS = {
     "eqx_kfac._core": 0,
     # tracing: tags, the jaxpr interpreter, the tracer, the graph matcher, the losses
     "eqx_kfac._tracing": 1,
-    # curvature, bottom to top: structured operators and patches; the blocks' curvature
-    # operators; the blocks; the estimators; what is built from estimators and blocks
-    "eqx_kfac._curvature.linear": 2,
+    # curvature, bottom to top: structured operators, their powers and spectral functions, the
+    # Kronecker solvers, patches; the blocks' curvature operators; the blocks; the estimators and
+    # the parameter-space operator; what is built from estimators and blocks (the K-FAC operator,
+    # the estimator solves)
+    "eqx_kfac._curvature.operators": 2,
+    "eqx_kfac._curvature.solvers": 2,
     "eqx_kfac._curvature.patches": 2,
-    "eqx_kfac._curvature.curvature_operators": 3,
+    "eqx_kfac._curvature.operators.curvature": 3,
     "eqx_kfac._curvature.blocks": 4,
     "eqx_kfac._curvature.estimators": 5,
+    "eqx_kfac._curvature.operators.parameter_space": 5,
+    "eqx_kfac._curvature.operators.kfac": 6,
+    "eqx_kfac._curvature.solvers.estimator": 6,
     "eqx_kfac._curvature": 6,
     # optimisation: the optimizer's parts, the optimizer, the optax transformation
     "eqx_kfac._optim": 7,

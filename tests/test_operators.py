@@ -1,5 +1,6 @@
-"""Tests for `eqx_kfac._curvature.linear` against dense numpy references (internal on purpose: the
-factor-wise damped powers and pi-adjusted inverses under the public operators and blocks).
+"""Tests for `eqx_kfac._curvature.operators` and `eqx_kfac._curvature.solvers.kronecker` against
+dense numpy references (internal on purpose: the factor-wise damped powers and pi-adjusted
+inverses under the public operators and blocks).
 
 Random PSD factors are built as `Q diag(s) Qᵀ` with controlled eigenvalues `s`, so each test can
 state the conditioning its tolerance relies on.
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from eqx_kfac._curvature.linear import kronecker as KR, operators as O, solvers as LS, spectral as S
+from eqx_kfac._curvature.operators import kronecker_powers as KR, spectral as S, structured as O
+from eqx_kfac._curvature.solvers import kronecker as LS
 
 
 PSD = lx.positive_semidefinite_tag

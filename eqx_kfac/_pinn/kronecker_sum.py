@@ -19,14 +19,14 @@ from jaxtyping import Array, Float, PyTree
 from .._curvature.blocks import CurvatureBlock, DenseTwoKroneckerFactored, KroneckerLayout
 from .._curvature.blocks.base import power_key, Power
 from .._curvature.blocks.statistics import WeightedMovingAverage
-from .._curvature.curvature_operators import KroneckerCurvatureOperator
-from .._curvature.linear.kronecker import (
+from .._curvature.operators.curvature import KroneckerCurvatureOperator
+from .._curvature.operators.kronecker_powers import (
     kronecker_damped_matpower,
     kronecker_eigh,
     pi_adjusted_damped_factors,
     pi_adjusted_inverse,
 )
-from .._curvature.linear.operators import _kron_vectors
+from .._curvature.operators.structured import kron_vectors
 from .._tracing.layer_data import LayerSpec
 from .statistics import Approximation, check_approximation, factor_pairs
 from .tags import check_taylor_dense_spec, dense_view, TAG_NAME
@@ -243,7 +243,7 @@ class TaylorDenseKroneckerSum(CurvatureBlock):
             raise self._unavailable("cached eigenvalues")
         pairs = self._pairs(state)
         if len(pairs) == 1:
-            return _kron_vectors(kronecker_eigh(pairs[0]).eigenvalues)
+            return kron_vectors(kronecker_eigh(pairs[0]).eigenvalues)
         return kronecker_eigh([self._to_dense(state)]).eigenvalues[0]
 
     def _to_dense(self, state: KroneckerSumState) -> Array:

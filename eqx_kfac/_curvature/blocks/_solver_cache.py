@@ -27,7 +27,7 @@ from jaxtyping import Array, PyTree
 
 from ..._core.control_flow import select_changed
 from ..._core.linalg import limit_lapack_threads
-from ..linear.operators import KroneckerOperator
+from ..operators.structured import KroneckerOperator
 from ..._core.tree import all_finite
 from .base import CurvatureBlock, power_key
 
@@ -42,7 +42,7 @@ SOLVER_CACHE_KEY = f"solver {power_key(-1)}"
 _PSD = (lx.symmetric_tag, lx.positive_semidefinite_tag)
 
 
-def damped_kronecker(
+def damped_kronecker_operator(
     factors: Sequence[Array], identity_weight: ArrayLike
 ) -> lx.AbstractLinearOperator:
     """The damped curvature `K + λ·I` in the form the Kronecker solvers recognise.
@@ -95,7 +95,7 @@ def _full_state(
     solver: lx.AbstractLinearSolver, factors: Sequence[Array], identity_weight: ArrayLike
 ) -> PyTree[Any]:
     limit_lapack_threads()  # the solver may factorise through LAPACK (see `eqx_kfac._core.linalg`)
-    return solver.init(damped_kronecker(factors, identity_weight), {})
+    return solver.init(damped_kronecker_operator(factors, identity_weight), {})
 
 
 def _is_struct(x: Any) -> bool:
@@ -122,7 +122,7 @@ def zero_solver_state(
 
     **Arguments:**
 
-    - `solver`: a lineax solver that accepts `damped_kronecker(factors, λ)`.
+    - `solver`: a lineax solver that accepts `damped_kronecker_operator(factors, λ)`.
     - `dims`: the factor sizes `(n_1, ..., n_k)`.
     - `dtype`: the statistics dtype.
 
@@ -195,7 +195,7 @@ def solver_inverse(
     An array shaped like `operand`, all NaN if the solver does not report success.
     """
     solver = block.solver
-    operator = damped_kronecker(factors, identity_weight)
+    operator = damped_kronecker_operator(factors, identity_weight)
     if use_cached:
         _require_solver_state(block, cache)
         _, static = _state_split(solver, [f.shape[0] for f in factors], factors[0].dtype)

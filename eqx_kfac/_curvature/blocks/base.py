@@ -37,7 +37,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..curvature_operators import (
+from ..operators.curvature import (
     AbstractCurvatureOperator,
     AbstractSliceCurvatureOperator,
     flatten_vector as flatten_vector,
@@ -49,7 +49,7 @@ from ..curvature_operators import (
 )
 from ..._core.linalg import map_slices
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..linear.kronecker import kronecker_eigh
+from ..operators.kronecker_powers import kronecker_eigh
 from .statistics import statistics_dtype
 
 

@@ -19,10 +19,10 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..curvature_operators import EigenbasisCurvatureOperator
+from ..operators.curvature import EigenbasisCurvatureOperator
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..linear.kronecker import kronecker_eigh
-from ..linear.operators import KroneckerOperator
+from ..operators.kronecker_powers import kronecker_eigh
+from ..operators.structured import KroneckerOperator
 from ._layer_stats import dense_gradient_samples, dense_layout
 from .base import CurvatureBlock
 from .statistics import WeightedMovingAverage

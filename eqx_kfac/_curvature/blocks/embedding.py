@@ -8,13 +8,13 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..curvature_operators import (
+from ..operators.curvature import (
     EigenbasisCurvatureOperator,
     KroneckerCurvatureOperator,
     ReshapeLayout,
 )
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..linear.kronecker import kronecker_eigh
+from ..operators.kronecker_powers import kronecker_eigh
 from .base import CurvatureBlock, power_key, Power
 from .statistics import WeightedMovingAverage
 

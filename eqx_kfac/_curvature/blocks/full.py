@@ -9,9 +9,9 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
-from ..curvature_operators import KroneckerCurvatureOperator, ReshapeLayout
+from ..operators.curvature import KroneckerCurvatureOperator, ReshapeLayout
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..linear.kronecker import kronecker_damped_matpower, kronecker_eigh, KroneckerEigh, pi_adjusted_inverse
+from ..operators.kronecker_powers import kronecker_damped_matpower, kronecker_eigh, KroneckerEigh, pi_adjusted_inverse
 from ._layer_stats import (
     check_dense_spec,
     check_scale_and_shift_spec,

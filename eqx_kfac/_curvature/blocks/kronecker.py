@@ -10,14 +10,14 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
-from ..curvature_operators import AbstractParameterLayout, KroneckerCurvatureOperator
+from ..operators.curvature import AbstractParameterLayout, KroneckerCurvatureOperator
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..linear.operators import (
-    _kron_vectors,
+from ..operators.structured import (
+    kron_vectors,
     apply_factors,
     KroneckerOperator,
 )
-from ..linear.kronecker import (
+from ..operators.kronecker_powers import (
     kronecker_damped_matpower,
     kronecker_eigh,
     KroneckerEigh,
@@ -239,7 +239,7 @@ class KroneckerFactored(CurvatureBlock):
             raise self._missing_cache("eigenvalues", "cache_eigenvalues")
         else:
             values = state.cache["eigenvalues"]
-        return _kron_vectors(values)
+        return kron_vectors(values)
 
     def _slice_operator(
         self, state: KroneckerState, identity_weight: ArrayLike

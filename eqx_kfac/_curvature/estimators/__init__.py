@@ -16,4 +16,4 @@ from .block_diagonal import (
 )
 from .explicit_exact import ExplicitExactCurvature as ExplicitExactCurvature
 from .implicit_exact import ImplicitExactCurvature as ImplicitExactCurvature
-from .parameter_operator import ParameterSpaceOperator as ParameterSpaceOperator
+from ..operators.parameter_space import ParameterSpaceOperator as ParameterSpaceOperator

@@ -19,10 +19,10 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ..._core.tree import all_finite, flat_rows
 from ..blocks.base import CurvatureBlock, PowersLike
-from ..linear.operators import BlockDiagonalOperator
+from ..operators.structured import BlockDiagonalOperator
 from ..._tracing.tracer import trace
-from .parameter_operator import ParameterSpaceOperator
-from .registrations import _scan_use, Registration, Registrations
+from ..operators.parameter_space import ParameterSpaceOperator
+from .registrations import scan_use, Registration, Registrations
 
 
 def default_batch_size_extractor(batch: PyTree) -> int:
@@ -132,7 +132,7 @@ def _grows_beyond(pairs: Sequence[tuple[Array, Array]], factor: ArrayLike) -> Bo
     return (old_sq > 0) & (new_sq > jnp.asarray(factor, jnp.float32) ** 2 * old_sq)
 
 
-def _per_block(value: Any, num_blocks: int, name: str) -> tuple[Any, ...]:
+def per_block(value: Any, num_blocks: int, name: str) -> tuple[Any, ...]:
     if isinstance(value, (list, tuple)):
         if len(value) != num_blocks:
             raise ValueError(
@@ -188,7 +188,7 @@ class AbstractCurvatureEstimator(eqx.Module):
         for block in self.blocks:
             spec = block.spec
             for i in spec.param_indices:
-                entries[i] = Registration(spec.tag, type(block).__name__, spec.origin, _scan_use(spec))
+                entries[i] = Registration(spec.tag, type(block).__name__, spec.origin, scan_use(spec))
         return Registrations([(self.param_paths[i], entries[i]) for i in sorted(entries)])
 
     def params_vector_to_blocks_vectors(self, vector: PyTree[Array]) -> tuple[tuple[Array, ...], ...]:
@@ -363,7 +363,7 @@ class AbstractCurvatureEstimator(eqx.Module):
 
         The state with updated caches.
         """
-        weights = _per_block(identity_weight, self.num_blocks, "identity_weight")
+        weights = per_block(identity_weight, self.num_blocks, "identity_weight")
         block_states = tuple(
             block.update_cache(s, w, exact_powers, approx_powers, eigenvalues)
             for block, s, w in zip(self.blocks, state.block_states, weights)
@@ -397,7 +397,7 @@ class AbstractCurvatureEstimator(eqx.Module):
 
         A parameter-space vector.
         """
-        weights = _per_block(identity_weight, self.num_blocks, "identity_weight")
+        weights = per_block(identity_weight, self.num_blocks, "identity_weight")
         blocks_vectors = self.params_vector_to_blocks_vectors(vector)
         return self.blocks_vectors_to_params_vector(
             tuple(
@@ -526,7 +526,7 @@ class AbstractCurvatureEstimator(eqx.Module):
 
         A `lineax.AbstractLinearOperator` on parameter-space vectors.
         """
-        weights = _per_block(identity_weight, self.num_blocks, "identity_weight")
+        weights = per_block(identity_weight, self.num_blocks, "identity_weight")
         inner = BlockDiagonalOperator(
             tuple(
                 block.as_linear_operator(s, w)

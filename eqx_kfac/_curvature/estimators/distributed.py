@@ -15,7 +15,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
 from ..._core.distributed import assign_blocks, block_cost, owner_computes
-from .base import AbstractCurvatureEstimator, EstimatorState, _per_block
+from .base import AbstractCurvatureEstimator, EstimatorState, per_block
 
 
 def _owners(state: EstimatorState, axis_name: Hashable) -> tuple[int, ...]:
@@ -47,7 +47,7 @@ def distributed_update_cache(
 
     The state with updated caches, replicated.
     """
-    weights = _per_block(identity_weight, estimator.num_blocks, "identity_weight")
+    weights = per_block(identity_weight, estimator.num_blocks, "identity_weight")
     owners = _owners(state, axis_name)
     new_states = []
     for block, block_state, weight, owner in zip(
@@ -84,7 +84,7 @@ def distributed_multiply_matpower(
 
     A parameter-space vector.
     """
-    weights = _per_block(identity_weight, estimator.num_blocks, "identity_weight")
+    weights = per_block(identity_weight, estimator.num_blocks, "identity_weight")
     owners = _owners(state, axis_name)
     blocks_vectors = estimator.params_vector_to_blocks_vectors(vector)
     products = []

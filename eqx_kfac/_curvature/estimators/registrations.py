@@ -17,7 +17,7 @@ class Registration(NamedTuple):
     scan: str = ""
 
 
-def _scan_use(spec: LayerSpec) -> str:
+def scan_use(spec: LayerSpec) -> str:
     if spec.stack_size is not None:
         return f"stacked x{spec.stack_size}"
     if spec.repeat_size is not None:

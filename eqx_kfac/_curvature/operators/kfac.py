@@ -16,21 +16,21 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Inexact, PRNGKeyArray, PyTree
 
-from .blocks.statistics import WeightedMovingAverage
-from .blocks.kronecker import KroneckerFactored
-from .curvature_operators import (
+from ..blocks.statistics import WeightedMovingAverage
+from ..blocks.kronecker import KroneckerFactored
+from .curvature import (
     AbstractCurvatureOperator,
     KroneckerCurvatureOperator,
     StackedCurvatureOperator,
 )
-from .estimators import (
+from ..estimators import (
     BlockDiagonalCurvature,
     default_batch_size_extractor,
     EstimatorState,
     ParameterSpaceOperator,
 )
-from .linear.kronecker import _identity_like
-from .linear.spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
+from .kronecker_powers import identity_like
+from .spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
 
 
 FISHER_TYPES: dict[str, str] = {
@@ -303,7 +303,7 @@ def _each_factor_damped(operator: AbstractCurvatureOperator) -> AbstractCurvatur
     if not isinstance(operator, KroneckerCurvatureOperator):
         return operator
     damping = operator.damping
-    factors = tuple(f + damping * _identity_like(f) for f in operator.factors)
+    factors = tuple(f + damping * identity_like(f) for f in operator.factors)
     return KroneckerCurvatureOperator(factors, jnp.zeros_like(damping), operator.layout)
 
 

@@ -25,7 +25,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from ..._core.linalg import eigh, per_platform, spd_inverse
 from ..._core.tree import all_finite
-from .operators import _kron_vectors, _symmetrise, apply_factors, KroneckerOperator
+from .structured import kron_vectors, symmetrise, apply_factors, KroneckerOperator
 
 
 # Exact factor-wise damped powers
@@ -58,7 +58,7 @@ def _shifted_eigh(matrix: Array, vals: Array, vecs: Array) -> tuple[Array, Array
 
 
 def _guarded_eigh(matrix: Float[Array, "n n"]) -> tuple[Array, Array]:
-    matrix = _symmetrise(matrix)
+    matrix = symmetrise(matrix)
     vals, vecs = eigh(matrix)
     finite = jnp.all(jnp.isfinite(vals)) & jnp.all(jnp.isfinite(vecs))
     # Module-level branches (no closures) let JAX reuse the compiled `cond` across calls.
@@ -128,7 +128,7 @@ def kronecker_damped_matpower(
             f"kronecker_damped_matpower: vector has shape {vector.shape}, but the Kronecker "
             f"factors need shape {expected} (one axis per factor)."
         )
-    eigenvalues = _kron_vectors(eigh.eigenvalues).reshape(expected) + damping
+    eigenvalues = kron_vectors(eigh.eigenvalues).reshape(expected) + damping
     if isinstance(power, (int, float)) and power == -1:
         scale = 1.0 / eigenvalues
     else:
@@ -160,14 +160,14 @@ def kronecker_damped_solve(
 # Pi-adjusted approximate damping
 
 
-def _identity_like(factor: Array) -> Array:
+def identity_like(factor: Array) -> Array:
     """The identity in the form of `factor`: a matrix, or for a diagonal factor a vector of ones."""
     if factor.ndim == 1:
         return jnp.ones_like(factor)
     return jnp.eye(factor.shape[0], dtype=factor.dtype)
 
 
-def _factor_trace(factor: Array) -> Array:
+def factor_trace(factor: Array) -> Array:
     return jnp.sum(factor) if factor.ndim == 1 else jnp.trace(factor)
 
 
@@ -203,12 +203,12 @@ def pi_adjusted_damped_factors(
     damping = jnp.asarray(damping)
     # A factor of size 0 makes the whole space empty; any positive mean keeps the algebra finite.
     means = [
-        _factor_trace(f) / n if n > 0 else jnp.ones((), f.dtype) for f, n in zip(factors, dims)
+        factor_trace(f) / n if n > 0 else jnp.ones((), f.dtype) for f, n in zip(factors, dims)
     ]
     positive = ft.reduce(jnp.logical_and, [m > 0 for m in means])
     safe = [jnp.where(positive, m, 1.0) for m in means]
     root = damping ** (1.0 / k)
-    zero_case = tuple(root * _identity_like(f) for f in factors)
+    zero_case = tuple(root * identity_like(f) for f in factors)
 
     big = [i for i, n in enumerate(dims) if n != 1]
     if not big:
@@ -225,7 +225,7 @@ def pi_adjusted_damped_factors(
         spread = scalar ** (1.0 / m)
         shares = [safe[i] * per_big * jnp.exp(-log_mean) for i in range(k)]
         regular = tuple(
-            jnp.ones_like(f) if n == 1 else spread * (f + shares[i] * _identity_like(f))
+            jnp.ones_like(f) if n == 1 else spread * (f + shares[i] * identity_like(f))
             for i, (f, n) in enumerate(zip(factors, dims))
         )
     return tuple(jnp.where(positive, r, z) for r, z in zip(regular, zero_case))
@@ -294,7 +294,7 @@ def _damped_inverses(factors: tuple[Array, ...], damping: Array) -> tuple[Array,
     def fallback(factors, damping, inverses):
         damped = pi_adjusted_damped_factors(factors, damping)
         return tuple(
-            jnp.where(jnp.all(jnp.isfinite(i)), i, 1.0 / d if d.ndim == 1 else _floored_eigh_inverse(_symmetrise(d)))
+            jnp.where(jnp.all(jnp.isfinite(i)), i, 1.0 / d if d.ndim == 1 else _floored_eigh_inverse(symmetrise(d)))
             for d, i in zip(damped, inverses)
         )
 

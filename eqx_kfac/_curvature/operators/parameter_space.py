@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Inexact, PyTree
 
-from ..linear.spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
+from .spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
 
 
 class ParameterSpaceOperator(lx.AbstractLinearOperator):

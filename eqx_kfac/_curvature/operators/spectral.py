@@ -17,14 +17,14 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, ArrayLike, Float, Inexact
 
 from ..._core.linalg import eigh
-from .solvers import _damped_kronecker
-from .operators import (
-    _kron_vectors,
-    _symmetrise,
+from ..solvers.kronecker import split_damped_kronecker
+from .structured import (
+    kron_vectors,
+    symmetrise,
     BlockDiagonalOperator,
     KroneckerOperator,
 )
-from .kronecker import (
+from .kronecker_powers import (
     kronecker_damped_matpower,
     kronecker_eigh,
     pi_adjusted_inverse,
@@ -161,20 +161,20 @@ def eigenvalues(operator: lx.AbstractLinearOperator) -> Float[Array, " n"]:
 
     A vector with one entry per dimension.
     """
-    damped = _damped_kronecker(operator)
+    damped = split_damped_kronecker(operator)
     if damped is not None:
         kron, damping = damped
         return eigenvalues(kron) + damping
     _require(lx.is_symmetric, operator, "eigenvalues", "symmetric", "symmetric_tag")
-    return eigh(_symmetrise(operator.as_matrix()))[0]
+    return eigh(symmetrise(operator.as_matrix()))[0]
 
 
 @eigenvalues.register(KroneckerOperator)
 def _(operator):
     _require(lx.is_symmetric, operator, "eigenvalues", "symmetric", "symmetric_tag")
     if lx.is_positive_semidefinite(operator):
-        return _kron_vectors(kronecker_eigh(operator).eigenvalues)
-    return _kron_vectors([eigh(_symmetrise(f))[0] for f in operator.factors])
+        return kron_vectors(kronecker_eigh(operator).eigenvalues)
+    return kron_vectors([eigh(symmetrise(f))[0] for f in operator.factors])
 
 
 @eigenvalues.register(BlockDiagonalOperator)
@@ -200,7 +200,7 @@ def logdet(operator: lx.AbstractLinearOperator) -> Float[Array, ""]:
 
     A scalar array.
     """
-    damped = _damped_kronecker(operator)
+    damped = split_damped_kronecker(operator)
     if damped is not None:
         return jnp.sum(jnp.log(eigenvalues(operator)))
     _require(lx.is_positive_semidefinite, operator, "logdet", "positive semi-definite",
@@ -250,7 +250,7 @@ def matpower(
     A symmetric PSD lineax operator with the structure of `operator`. Eigenvalues that are zero
     give infinities for negative powers.
     """
-    damped = _damped_kronecker(operator)
+    damped = split_damped_kronecker(operator)
     if damped is not None:
         kron, damping = damped
         if not exact:
@@ -263,7 +263,7 @@ def matpower(
         )
     _require(lx.is_positive_semidefinite, operator, "matpower", "positive semi-definite",
              "positive_semidefinite_tag")
-    values, vectors = eigh(_symmetrise(operator.as_matrix()))
+    values, vectors = eigh(symmetrise(operator.as_matrix()))
     matrix = (vectors * scalar_power(jnp.maximum(values, 0.0), power)) @ vectors.T
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), operator.in_structure())
     _, unravel = ravel_pytree(zeros)

@@ -24,7 +24,7 @@ def _frozenset(tags: object) -> frozenset[object]:
         return frozenset([tags])
 
 
-def _apply_along_axis(matrix: Array, x: Array, axis: int) -> Array:
+def apply_along_axis(matrix: Array, x: Array, axis: int) -> Array:
     out = jnp.tensordot(matrix, x, axes=((1,), (axis,)), precision=jax.lax.Precision.HIGHEST)
     return jnp.moveaxis(out, 0, axis)
 
@@ -34,16 +34,16 @@ def apply_factors(
 ) -> Array:
     """`(f_1 ⊗ ... ⊗ f_k)` applied to `x`, factor `i` along axis `axes[i]` (default: axis `i`)."""
     for axis, factor in zip(range(len(factors)) if axes is None else axes, factors, strict=True):
-        x = _apply_along_axis(factor, x, axis)
+        x = apply_along_axis(factor, x, axis)
     return x
 
 
-def _kron_vectors(vectors: Sequence[Array]) -> Array:
+def kron_vectors(vectors: Sequence[Array]) -> Array:
     """Flattened outer product of vectors, in `kron` order."""
     return ft.reduce(lambda a, b: (a[:, None] * b[None, :]).reshape(-1), vectors)
 
 
-def _symmetrise(matrix: Array) -> Array:
+def symmetrise(matrix: Array) -> Array:
     return (matrix + matrix.T) / 2
 
 
@@ -187,7 +187,7 @@ def _(operator):
 @lx.diagonal.register(KroneckerOperator)
 def _(operator):
     if all(f.shape[0] == f.shape[1] for f in operator.factors):
-        return _kron_vectors([jnp.diagonal(f) for f in operator.factors])
+        return kron_vectors([jnp.diagonal(f) for f in operator.factors])
     # With rectangular factors the product's diagonal mixes off-diagonal factor entries.
     return jnp.diagonal(operator.as_matrix())
 

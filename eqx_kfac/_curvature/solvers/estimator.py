@@ -26,11 +26,11 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
-from .blocks import CurvatureBlock, Full, KroneckerFactored
-from .blocks._solver_cache import damped_kronecker, SolverChoice
-from .blocks.base import flatten_vector, unflatten_vector
-from .estimators.base import AbstractCurvatureEstimator, EstimatorState, _per_block
-from .linear.solvers import KroneckerEigenSolver
+from ..blocks import CurvatureBlock, Full, KroneckerFactored
+from ..blocks._solver_cache import damped_kronecker_operator, SolverChoice
+from ..blocks.base import flatten_vector, unflatten_vector
+from ..estimators.base import AbstractCurvatureEstimator, EstimatorState, per_block
+from .kronecker import KroneckerEigenSolver
 
 
 def _factors_and_maps(block: CurvatureBlock, state: eqx.Module):
@@ -70,7 +70,7 @@ def damped_block_operator(
                 "`scan`); its operator is per slice. Use `solve_block`, which handles stacks."
             )
         factors, _, _ = _factors_and_maps(block, state)
-        return damped_kronecker(factors, identity_weight)
+        return damped_kronecker_operator(factors, identity_weight)
     return block.as_linear_operator(state, identity_weight)
 
 
@@ -110,7 +110,7 @@ def solve_block(
     def one_slice(state: eqx.Module, vector: tuple[Array, ...]) -> tuple[Array, ...]:
         factors, to_operand, from_operand = _factors_and_maps(block, state)
         operand = to_operand(tuple(v.astype(block.dtype) for v in vector))
-        operator = damped_kronecker(factors, identity_weight)
+        operator = damped_kronecker_operator(factors, identity_weight)
         return tuple(from_operand(lx.linear_solve(operator, operand, solver).value))
 
     if block.spec.stack_size is None:
@@ -145,10 +145,10 @@ def solve(
     if callable(solver) and not isinstance(solver, lx.AbstractLinearSolver):
         solvers = tuple(solver(block) for block in estimator.blocks)
     elif isinstance(solver, Sequence):
-        solvers = _per_block(tuple(solver), estimator.num_blocks, "solver")
+        solvers = per_block(tuple(solver), estimator.num_blocks, "solver")
     else:
         solvers = (solver,) * estimator.num_blocks
-    weights = _per_block(identity_weight, estimator.num_blocks, "identity_weight")
+    weights = per_block(identity_weight, estimator.num_blocks, "identity_weight")
     blocks_vectors = estimator.params_vector_to_blocks_vectors(vector)
     return estimator.blocks_vectors_to_params_vector(
         tuple(

@@ -2,7 +2,7 @@
 
 `KroneckerEigenSolver` is exact (`kronecker_damped_solve`), `KroneckerPiAdjustedSolver` the
 pi-adjusted approximation (`pi_adjusted_inverse`). Both recognise the operator as written with
-lineax's operator arithmetic (`_damped_kronecker`, also used by the spectral functions); a
+lineax's operator arithmetic (`split_damped_kronecker`, also used by the spectral functions); a
 failed solve (non-finite input) shows as non-finite output, which `lineax.linear_solve` reports.
 """
 
@@ -12,8 +12,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import lineax as lx
 
-from .kronecker import kronecker_damped_solve, kronecker_eigh, pi_adjusted_inverse
-from .operators import KroneckerOperator
+from ..operators.kronecker_powers import kronecker_damped_solve, kronecker_eigh, pi_adjusted_inverse
+from ..operators.structured import KroneckerOperator
 
 
 # Recognising `c·K + λ·I` (as written with lineax's operator arithmetic)
@@ -33,7 +33,7 @@ def _terms(operator: lx.AbstractLinearOperator, coeff: Any) -> list[tuple[Any, A
     return [(coeff, operator)]
 
 
-def _damped_kronecker(operator: lx.AbstractLinearOperator) -> tuple[KroneckerOperator, Any] | None:
+def split_damped_kronecker(operator: lx.AbstractLinearOperator) -> tuple[KroneckerOperator, Any] | None:
     """Writes `operator` as `(K, λ)` with `operator = K + λI` and `K` a PSD Kronecker product.
 
     Returns `None` when it has another form, including a scaled `K` (scale a factor instead).
@@ -61,7 +61,7 @@ def _damped_kronecker(operator: lx.AbstractLinearOperator) -> tuple[KroneckerOpe
 def _require_damped_kronecker(
     operator: lx.AbstractLinearOperator, who: str
 ) -> tuple[KroneckerOperator, Any]:
-    parsed = _damped_kronecker(operator)
+    parsed = split_damped_kronecker(operator)
     if parsed is None:
         raise ValueError(
             f"{who} solves with `K + λ·I` where `K` is a KroneckerOperator tagged "

@@ -2,7 +2,7 @@
 
 `CurvatureBlock.as_linear_operator(state, λ)` returns one of these. They act on the tuple of the
 block's parameter arrays and keep the structure of the block's estimate, so that `trace`,
-`logdet`, `eigenvalues`, `frobenius_norm` and `matpower` (`eqx_kfac._curvature.linear.spectral`) never form a
+`logdet`, `eigenvalues`, `frobenius_norm` and `matpower` (`operators/spectral.py`) never form a
 dense matrix:
 
 - `KroneckerCurvatureOperator`: `F_1 ⊗ ... ⊗ F_k` on a canonical rearrangement of the parameters

@@ -13,7 +13,7 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
-from ..linear.spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
+from ..spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
 from .layout import flatten_vector, unstack_block_diagonal
 
 

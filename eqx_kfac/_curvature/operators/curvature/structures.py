@@ -13,16 +13,16 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
-from ..linear.operators import (
-    _apply_along_axis,
-    _kron_vectors,
+from ..structured import (
+    apply_along_axis,
+    kron_vectors,
 )
-from ..linear.kronecker import (
-    _factor_trace,
+from ..kronecker_powers import (
+    factor_trace,
     kronecker_eigh,
     pi_adjusted_damped_factors,
 )
-from ..linear.spectral import scalar_power
+from ..spectral import scalar_power
 from .base import AbstractSliceCurvatureOperator, Vector
 from .layout import AbstractParameterLayout, flatten_vector
 
@@ -41,7 +41,7 @@ def _apply_factors(factors: Sequence[Array | None], x: Array) -> Array:
         if factor.ndim == 1:
             x = x * jnp.reshape(factor, (-1,) + (1,) * (x.ndim - axis - 1))
         else:
-            x = _apply_along_axis(factor, x, axis)
+            x = apply_along_axis(factor, x, axis)
     return x
 
 
@@ -129,10 +129,10 @@ class KroneckerCurvatureOperator(AbstractSliceCurvatureOperator):
         return _in_parameter_order(ft.reduce(jnp.kron, dense), self.layout)
 
     def _curvature_eigenvalues(self) -> Float[Array, " dim"]:
-        return _kron_vectors([_factor_eigh(f)[0] for f in self.factors])
+        return kron_vectors([_factor_eigh(f)[0] for f in self.factors])
 
     def _curvature_trace(self) -> Float[Array, ""]:
-        return ft.reduce(jnp.multiply, [_factor_trace(f) for f in self.factors])
+        return ft.reduce(jnp.multiply, [factor_trace(f) for f in self.factors])
 
     def _curvature_frobenius(self) -> Float[Array, ""]:
         return ft.reduce(jnp.multiply, [jnp.linalg.norm(f) for f in self.factors])
@@ -140,12 +140,12 @@ class KroneckerCurvatureOperator(AbstractSliceCurvatureOperator):
     def _curvature_diagonal(self) -> Vector:
         diagonals = [f if f.ndim == 1 else jnp.diagonal(f) for f in self.factors]
         return self.layout.from_array(
-            jnp.reshape(_kron_vectors(diagonals), self.layout.array_shape)
+            jnp.reshape(kron_vectors(diagonals), self.layout.array_shape)
         )
 
     def _exact_power(self, power: float | int) -> "EigenbasisCurvatureOperator":
         decompositions = [_factor_eigh(f) for f in self.factors]
-        values = _kron_vectors([vals for vals, _ in decompositions])
+        values = kron_vectors([vals for vals, _ in decompositions])
         spectrum = jnp.reshape(values, self.layout.array_shape) + self.damping
         return EigenbasisCurvatureOperator(
             tuple(vecs for _, vecs in decompositions),
