@@ -25,7 +25,7 @@ from .._curvature.estimators.base import batch_size_of
 from .._curvature.estimators.distributed import distributed_update_cache
 from .._curvature.estimators.fallbacks import check_on_unmatched
 from .._curvature.estimators.loss_checks import check_batch_size, check_labels, check_loss_is_averaged
-from .._curvature.estimators.modes import check_estimation_mode, ESTIMATION_MODES
+from .._curvature.estimators.modes import check_estimation_mode, check_mode_name
 from .._tracing.tracer import trace
 from .direction import AbstractDirection, DirectionOutcome, PreconditionedGradient
 from .refresh import AbstractRefreshSchedule, RefreshSchedule
@@ -90,11 +90,7 @@ class CurvatureOptions(eqx.Module):
             auto_register_kwargs["patterns_to_skip"] = tuple(patterns_to_skip)
         if graph_patterns is not None:
             auto_register_kwargs["graph_patterns"] = tuple(graph_patterns)
-        if estimation_mode not in ESTIMATION_MODES:
-            raise ValueError(
-                f"Unknown estimation_mode {estimation_mode!r}; expected one of "
-                f"{', '.join(ESTIMATION_MODES)}."
-            )
+        check_mode_name(estimation_mode)
         self.estimation_mode = estimation_mode
         self.layer_tag_to_block_ctor = _sorted_items(layer_tag_to_block_ctor)
         self.index_to_block_ctor = _sorted_items(index_to_block_ctor)

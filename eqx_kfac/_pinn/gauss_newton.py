@@ -25,8 +25,9 @@ from .._curvature.estimators.base import (
     EstimatorState,
     inexact_leaves,
     parameter_layout,
+    whole_parameter_spec,
 )
-from .._curvature.estimators.modes import check_estimation_mode, ESTIMATION_MODES, loss_space_vectors
+from .._curvature.estimators.modes import check_estimation_mode, check_mode_name, loss_space_vectors
 from .._tracing.layer_data import EstimationData, LayerSpec
 from .._tracing.tracer import layer_tags_vjp, trace
 from .statistics import gradient_samples
@@ -127,24 +128,10 @@ class DenseGaussNewton(AbstractCurvatureEstimator):
           falls back to an eigendecomposition when a factorisation fails).
         """
         example_args = tuple(example_args)
-        if default_estimation_mode not in ESTIMATION_MODES:
-            raise ValueError(
-                f"Unknown default_estimation_mode {default_estimation_mode!r}; expected one of "
-                f"{', '.join(ESTIMATION_MODES)}."
-            )
+        check_mode_name(default_estimation_mode, "default_estimation_mode")
         self.layers = _taylor_layers(func, example_args, params_index)
         treedef, paths, shapes, dtypes = parameter_layout(example_args[params_index])
-        spec = LayerSpec(
-            tag=GRAM_TAG,
-            index=0,
-            param_paths=paths,
-            param_indices=tuple(range(len(paths))),
-            param_shapes=shapes,
-            param_dtypes=dtypes,
-            input_shapes=(),
-            output_shapes=(),
-            origin="dense_gauss_newton",
-        )
+        spec = whole_parameter_spec(paths, shapes, dtypes, GRAM_TAG, "dense_gauss_newton")
         self.func = func
         self.params_index = params_index
         self.default_estimation_mode = default_estimation_mode

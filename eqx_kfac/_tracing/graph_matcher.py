@@ -64,7 +64,7 @@ from .graph_patterns import (
 )
 from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr
 from .liveness import inner_jaxpr, LiveTable, liveness
-from .pattern_matching import _Graph, _Matcher, _pattern_graphs, is_transparent
+from .pattern_matching import JaxprGraph, PatternMatcher, pattern_graphs, is_transparent
 from .layer_registration import bind_dense, register_conv2d, register_embedding, register_scale_and_shift
 from .tags import (
     conv2d_tag,
@@ -257,17 +257,17 @@ def _find_matches(
     plan: _Plan,
     live: LiveTable,
 ) -> None:
-    graph = _Graph(jaxpr, live[prefix])
+    graph = JaxprGraph(jaxpr, live[prefix])
     eqn_index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
     claimed: set[int] = set()
     allowed = {v: r for v, r in refs.items() if r[1] <= 1}
     for pattern in patterns:
-        for pg in _pattern_graphs(pattern):
+        for pg in pattern_graphs(pattern):
             out_primitive = pg.graph.producer[pg.outvars[0]][0].primitive
             for node in graph.nodes:
                 if node.primitive is not out_primitive or id(node) in claimed or not node.live_in:
                     continue
-                b = _Matcher(pg, graph, allowed, claimed).match_at(node)
+                b = PatternMatcher(pg, graph, allowed, claimed).match_at(node)
                 if b is None:
                     continue
                 eqns = sorted((e for n in b.nodes.values() for e in n.eqns), key=lambda e: eqn_index[id(e)])
@@ -333,7 +333,7 @@ class _TagBinder(JaxprHook):
 # auto_register_tags
 
 
-def _is_dynamic(x: Any) -> bool:
+def is_dynamic(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
@@ -341,7 +341,7 @@ def _param_leaves(args: Sequence[Any], params_index: int) -> tuple[dict[int, int
     """Positions of the parameter leaves among the dynamic leaves of `args`, and their paths."""
     positions, paths = {}, []
     flat = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
-    dyn = [(path, leaf) for path, leaf in flat if _is_dynamic(leaf)]
+    dyn = [(path, leaf) for path, leaf in flat if is_dynamic(leaf)]
     for position, (path, leaf) in enumerate(dyn):
         if path[0] == jax.tree_util.SequenceKey(params_index) and jnp.issubdtype(leaf.dtype, jnp.inexact):
             positions[position] = len(paths)
@@ -413,7 +413,7 @@ def auto_register_tags(
         sorted((p for p in graph_patterns if p.name not in patterns_to_skip), key=lambda p: p.precedence)
     )
     for pattern in patterns:
-        _pattern_graphs(pattern)
+        pattern_graphs(pattern)
 
     def tagged_func(*args: Any) -> Any:
         closed, out_struct, out_static = eqx.filter_make_jaxpr(func)(*args)
@@ -434,7 +434,7 @@ def auto_register_tags(
         plan = _Plan()
         eligible = {v: r for v, r in refs.items() if r[0] not in manual and r[0] not in shared}
         _find_matches(jaxpr, eligible, (), patterns, plan, live)
-        leaves = [leaf for leaf in jax.tree.leaves(args) if _is_dynamic(leaf)]
+        leaves = [leaf for leaf in jax.tree.leaves(args) if is_dynamic(leaf)]
         for position, leaf in positions.items():
             if leaf in manual or leaf in plan.matched_leaves:
                 continue

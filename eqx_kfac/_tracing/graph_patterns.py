@@ -18,7 +18,7 @@ from jax.extend.core import JaxprEqn
 
 from .tags import LayerTag, conv2d_tag, dense_tag, embedding_tag, scale_and_shift_tag
 
-_ExampleArgs = tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]
+ExampleArgs = tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]
 
 
 def _as_struct(x: Any) -> Any:
@@ -113,7 +113,7 @@ class GraphPattern(eqx.Module):
     name: str = eqx.field(static=True)
     tag: LayerTag = eqx.field(static=True)
     compute_func: Callable[..., Any] = eqx.field(static=True)
-    example_args: tuple[_ExampleArgs, ...] = eqx.field(static=True)
+    example_args: tuple[ExampleArgs, ...] = eqx.field(static=True)
     parameters_extractor_func: Callable[[Sequence[JaxprEqn]], dict[str, Any] | None] | None = eqx.field(
         static=True
     )
@@ -440,14 +440,14 @@ _VOCABULARY, _EMBEDDING = 23, 19
 
 def _dense_examples(
     weight_shape: tuple[int, int], bias: bool, feature_major: bool = False
-) -> list[_ExampleArgs]:
+) -> list[ExampleArgs]:
     params = (_f32(*weight_shape), _f32(_OUT)) if bias else (_f32(*weight_shape),)
     if feature_major:
         return [(_f32(_IN, *_BATCH[:n]), params) for n in (1, 2, 3)]
     return [(_f32(*_BATCH[:n], _IN), params) for n in (1, 2, 3)]
 
 
-def _conv_examples(x_shape, w_shape, bias_shape) -> list[_ExampleArgs]:
+def _conv_examples(x_shape, w_shape, bias_shape) -> list[ExampleArgs]:
     params = (_f32(*w_shape), _f32(*bias_shape)) if bias_shape else (_f32(*w_shape),)
     return [(_f32(*x_shape), params)]
 
@@ -455,7 +455,7 @@ def _conv_examples(x_shape, w_shape, bias_shape) -> list[_ExampleArgs]:
 _FEATURES = (3, 4, 5, 6)
 
 
-def _leading_scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
+def _leading_scale_and_shift_examples(n_params: int) -> list[ExampleArgs]:
     """Per-example inputs of rank 2 to 4 (e.g. `(channels, *spatial)`) under one or two vmaps,
     with parameters along their first 1 to rank - 1 axes."""
     examples = []
@@ -467,7 +467,7 @@ def _leading_scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
     return examples
 
 
-def _scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
+def _scale_and_shift_examples(n_params: int) -> list[ExampleArgs]:
     examples = []
     for x_rank in (2, 3, 4):
         for p_rank in range(1, x_rank):
@@ -477,7 +477,7 @@ def _scale_and_shift_examples(n_params: int) -> list[_ExampleArgs]:
     return examples
 
 
-def _normalization_examples(n_params: int) -> list[_ExampleArgs]:
+def _normalization_examples(n_params: int) -> list[ExampleArgs]:
     """Inputs of rank 2 to 4 with `rsqrt(var + eps)` of the same rank, and parameters along
     trailing axes, or of the input's rank with unit leading axes (Haiku's `BatchNorm`)."""
     examples = []

@@ -1,7 +1,7 @@
 """Matching a layer pattern's equations onto a function's jaxpr (see `graph_matcher.py`).
 
-`_Graph` holds a jaxpr's equations as nodes (chains of `broadcast_in_dim` merged into one, `pvary`
-and widening float conversions looked through), `_PatternGraph` a traced pattern's; `_Matcher` lays
+`JaxprGraph` holds a jaxpr's equations as nodes (chains of `broadcast_in_dim` merged into one, `pvary`
+and widening float conversions looked through), `PatternGraph` a traced pattern's; `PatternMatcher` lays
 a pattern graph onto a target node, walking backwards from the output, and returns the variable
 bindings.
 """
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
-from .graph_patterns import _ExampleArgs, GraphPattern
+from .graph_patterns import ExampleArgs, GraphPattern
 from .liveness import Liveness
 
 
@@ -91,7 +91,7 @@ def is_transparent(eqn: JaxprEqn) -> bool:
     return floating and jnp.promote_types(old, new) == new
 
 
-class _Graph:
+class JaxprGraph:
     """Nodes of one jaxpr with producer and consumer maps.
 
     Transparent equations (`is_transparent`: `pvary`, widening float conversions) change no
@@ -167,10 +167,10 @@ class _Graph:
         return eqn, position
 
 
-class _PatternGraph:
+class PatternGraph:
     """A traced pattern: its graph, which invars are inputs and which are parameters."""
 
-    def __init__(self, pattern: GraphPattern, example: _ExampleArgs):
+    def __init__(self, pattern: GraphPattern, example: ExampleArgs):
         inputs, params = example
         closed = jax.make_jaxpr(pattern.compute_func)(inputs, list(params) if pattern.list_params else params)
         jaxpr = closed.jaxpr
@@ -180,10 +180,10 @@ class _PatternGraph:
                 f"GraphPattern {pattern.name!r}: compute_func closes over arrays; pass every array "
                 "as an input or a parameter."
             )
-        self.graph = _Graph(jaxpr)
+        self.graph = JaxprGraph(jaxpr)
         self.inputs = list(jaxpr.invars[:n_in])
         self.params = list(jaxpr.invars[n_in:])
-        # The parameters' dimensions: sizes a target may differ in (see `_Matcher._sizes_agree`).
+        # The parameters' dimensions: sizes a target may differ in (see `PatternMatcher._sizes_agree`).
         self.sizes = frozenset(int(d) for v in self.params for d in v.aval.shape if d > 1)
         self.outvars = list(jaxpr.outvars)
         unused = [v for v in jaxpr.invars if v not in self.graph.consumers]
@@ -197,8 +197,8 @@ class _PatternGraph:
 
 
 @functools.cache
-def _pattern_graphs(pattern: GraphPattern) -> tuple[_PatternGraph, ...]:
-    return tuple(_PatternGraph(pattern, example) for example in pattern.example_args)
+def pattern_graphs(pattern: GraphPattern) -> tuple[PatternGraph, ...]:
+    return tuple(PatternGraph(pattern, example) for example in pattern.example_args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,10 +276,10 @@ class _Binding:
         return _Binding(self.vars, self.bound, self.nodes, self.sizes + new) if new else self
 
 
-class _Matcher:
+class PatternMatcher:
     """Matches one pattern graph against one target graph."""
 
-    def __init__(self, pg: _PatternGraph, target: _Graph, allowed_params: dict[Var, Any], claimed: set[int]):
+    def __init__(self, pg: PatternGraph, target: JaxprGraph, allowed_params: dict[Var, Any], claimed: set[int]):
         self.pg = pg
         self.target = target
         self.allowed_params = allowed_params

@@ -29,12 +29,12 @@ _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxp
 _UNUSED_ORIGIN = "unregistered"
 
 
-def _is_dynamic(x: Any) -> bool:
+def is_dynamic(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _is_param(x: Any) -> bool:
-    return _is_dynamic(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    return is_dynamic(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _is_tag_eqn(eqn: JaxprEqn) -> bool:
@@ -83,7 +83,7 @@ class TracedFunction:
         leaves, self._args_treedef = jax.tree.flatten(tuple(func_args))
         param_flags = _param_flags(func_args, params_index)
         self._kinds = tuple(
-            "param" if is_p else ("other" if _is_dynamic(x) else "static")
+            "param" if is_p else ("other" if is_dynamic(x) else "static")
             for x, is_p in zip(leaves, param_flags, strict=True)
         )
         self._statics = tuple(x for x, k in zip(leaves, self._kinds) if k == "static")
@@ -237,8 +237,8 @@ class TracedFunction:
             return
 
         def cut(params, others):
-            hook = _LayerHook(self, self.zero_perturbations(), cut=True)
-            run = _run(self, params, others, hook)
+            hook = LayerHook(self, self.zero_perturbations(), cut=True)
+            run = run_traced(self, params, others, hook)
             recorded = hook.recorded[0]
             return run.loss_inputs, [recorded[k][0] for k in sorted(recorded)], [recorded[k] for k in sorted(recorded)]
 
@@ -434,14 +434,14 @@ class _Run:
         self.losses: list[Any] = []
 
 
-def _run(traced: TracedFunction, params, others, hook) -> _Run:
+def run_traced(traced: TracedFunction, params, others, hook) -> _Run:
     hook.run = _Run()
     hook.evaluated = traced.evaluated
     eval_jaxpr(traced.closed_jaxpr, [*params, *others], hook)
     return hook.run
 
 
-class _LossHook(_TagHook):
+class LossHook(_TagHook):
     """Records the loss objects (with inputs) and their inputs."""
 
     run: _Run
@@ -454,7 +454,7 @@ class _LossHook(_TagHook):
         return None
 
 
-class _LayerHook(_LossHook):
+class LayerHook(LossHook):
     """Adds the perturbations to layer outputs and records layer inputs and outputs."""
 
     def __init__(self, traced: TracedFunction, perturbations: dict[int, tuple], cut: bool = False):

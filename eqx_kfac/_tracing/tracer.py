@@ -21,7 +21,7 @@ from jaxtyping import Array, PyTree
 
 from .._core.cache import LRUCache
 from .layer_data import EstimationData
-from .traced import _is_dynamic, _LayerHook, _LossHook, _run, TracedFunction
+from .traced import is_dynamic, LayerHook, LossHook, run_traced, TracedFunction
 
 
 _TRACED = LRUCache(maxsize=64)
@@ -31,7 +31,7 @@ def _cache_key(func: Callable, func_args: Sequence[Any], params_index: int) -> A
     leaves, treedef = jax.tree.flatten(tuple(func_args))
     avals = tuple(
         (x.shape, x.dtype, getattr(x, "weak_type", False)) if isinstance(x, jax.ShapeDtypeStruct)
-        else jax.typeof(x) if _is_dynamic(x) else ("static", x)
+        else jax.typeof(x) if is_dynamic(x) else ("static", x)
         for x in leaves
     )
     return (func, params_index, treedef, avals)
@@ -61,7 +61,7 @@ def trace(func: Callable, func_args: Sequence[Any], params_index: int = 0) -> Tr
 
 def _losses_and_inputs(traced: TracedFunction, others):
     def forward(params):
-        run = _run(traced, params, others, _LossHook())
+        run = run_traced(traced, params, others, LossHook())
         return tuple(run.loss_inputs), run.losses
 
     return forward
@@ -248,8 +248,8 @@ def layer_tags_vjp(func: Callable, params_index: int = 0) -> Callable:
         zeros = traced.zero_perturbations()
 
         def forward(params, perturbations):
-            hook = _LayerHook(traced, perturbations)
-            run = _run(traced, params, others, hook)
+            hook = LayerHook(traced, perturbations)
+            run = run_traced(traced, params, others, hook)
             return tuple(run.loss_inputs), (run.losses, hook.recorded[0])
 
         _, vjp_fn, (losses, recorded) = jax.vjp(forward, params, zeros, has_aux=True)

@@ -20,6 +20,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 from ..._core.tree import all_finite, flat_rows
 from ..blocks.base import CurvatureBlock, PowersLike
 from ..operators.structured import BlockDiagonalOperator
+from ..._tracing.layer_data import LayerSpec
 from ..._tracing.tracer import trace
 from ..operators.parameter_space import ParameterSpaceOperator
 from .registrations import scan_use, Registration, Registrations
@@ -103,6 +104,22 @@ def parameter_layout(
     shapes = tuple(tuple(leaf.shape) for _, leaf in with_paths)
     dtypes = tuple(jnp.dtype(leaf.dtype) for _, leaf in with_paths)
     return treedef, paths, shapes, dtypes
+
+
+def whole_parameter_spec(paths, shapes, dtypes, tag: str, origin: str) -> LayerSpec:
+    """One layer spec over every parameter leaf (`parameter_layout`'s paths, shapes and dtypes),
+    for the estimators whose one block is dense over all parameters."""
+    return LayerSpec(
+        tag=tag,
+        index=0,
+        param_paths=paths,
+        param_indices=tuple(range(len(paths))),
+        param_shapes=shapes,
+        param_dtypes=dtypes,
+        input_shapes=(),
+        output_shapes=(),
+        origin=origin,
+    )
 
 
 class EstimatorState(eqx.Module):

@@ -30,7 +30,7 @@ from .base import (
     parameter_layout,
 )
 from .modes import (
-    ESTIMATION_MODES,
+    check_mode_name,
     check_estimation_mode,
     loss_space_vectors,
 )
@@ -240,11 +240,7 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
         - `**auto_register_kwargs`: passed to `auto_register_tags` (e.g. `register_only_generic`,
           `patterns_to_skip`, `graph_patterns`).
         """
-        if default_estimation_mode not in ESTIMATION_MODES:
-            raise ValueError(
-                f"Unknown default_estimation_mode {default_estimation_mode!r}; expected one of "
-                f"{', '.join(ESTIMATION_MODES)}."
-            )
+        check_mode_name(default_estimation_mode, "default_estimation_mode")
         if auto_register_kwargs and not auto_register_tags:
             raise ValueError(
                 f"Got auto-registration arguments {sorted(auto_register_kwargs)} with "

@@ -9,16 +9,17 @@ from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray
 
 from ..blocks import CurvatureBlock, NaiveFull
-from ..._tracing.layer_data import EstimationData, LayerSpec
+from ..._tracing.layer_data import EstimationData
 from ..._tracing.tracer import loss_tags_vjp, trace
 from .base import (
     AbstractCurvatureEstimator,
     EstimatorState,
     inexact_leaves,
     parameter_layout,
+    whole_parameter_spec,
 )
 from .modes import (
-    ESTIMATION_MODES,
+    check_mode_name,
     check_estimation_mode,
     loss_space_vectors,
 )
@@ -73,11 +74,7 @@ class ExplicitExactCurvature(AbstractCurvatureEstimator):
           none.
         """
         example_args = tuple(example_args)
-        if default_estimation_mode not in ESTIMATION_MODES:
-            raise ValueError(
-                f"Unknown default_estimation_mode {default_estimation_mode!r}; expected one of "
-                f"{', '.join(ESTIMATION_MODES)}."
-            )
+        check_mode_name(default_estimation_mode, "default_estimation_mode")
         if not 0 <= batch_index < len(example_args) or batch_index == params_index:
             raise ValueError(
                 f"batch_index={batch_index} must name the batch argument: an index into the "
@@ -87,17 +84,7 @@ class ExplicitExactCurvature(AbstractCurvatureEstimator):
         traced = trace(func, example_args, params_index)
         check_estimation_mode(default_estimation_mode, traced.loss_classes)
         treedef, paths, shapes, dtypes = parameter_layout(example_args[params_index])
-        spec = LayerSpec(
-            tag="generic",
-            index=0,
-            param_paths=paths,
-            param_indices=tuple(range(len(paths))),
-            param_shapes=shapes,
-            param_dtypes=dtypes,
-            input_shapes=(),
-            output_shapes=(),
-            origin="explicit_exact",
-        )
+        spec = whole_parameter_spec(paths, shapes, dtypes, "generic", "explicit_exact")
         self.func = func
         self.params_index = params_index
         self.batch_index = batch_index

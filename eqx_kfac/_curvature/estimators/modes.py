@@ -29,6 +29,14 @@ ESTIMATION_MODES: tuple[str, ...] = (
 LossVectors = tuple[Array, ...]
 
 
+def check_mode_name(mode: str, keyword: str = "estimation_mode") -> None:
+    """Raises a `ValueError` naming `keyword` when `mode` is not one of `ESTIMATION_MODES`."""
+    if mode not in ESTIMATION_MODES:
+        raise ValueError(
+            f"Unknown {keyword} {mode!r}; expected one of {', '.join(ESTIMATION_MODES)}."
+        )
+
+
 def check_estimation_mode(mode: str, losses: Sequence[LossFunction | type]) -> None:
     """Raises a clear error when `mode` is unknown or does not fit the registered `losses`.
 
@@ -42,10 +50,7 @@ def check_estimation_mode(mode: str, losses: Sequence[LossFunction | type]) -> N
 
     Nothing; raises `ValueError` / `TypeError` on a mismatch.
     """
-    if mode not in ESTIMATION_MODES:
-        raise ValueError(
-            f"Unknown estimation_mode {mode!r}; expected one of {', '.join(ESTIMATION_MODES)}."
-        )
+    check_mode_name(mode)
     if not losses:
         raise ValueError(
             "The function registers no loss: call a `register_*_loss` function (for example "

@@ -5,8 +5,8 @@ families, `registration.py` the `register_*` functions; everything is re-exporte
 """
 
 from .base import (
-    _as_scalar as _as_scalar,
-    _check_inputs as _check_inputs,
+    as_scalar as as_scalar,
+    check_inputs as check_inputs,
     CoefficientMode as CoefficientMode,
     LossFunction as LossFunction,
     NegativeLogProbLoss as NegativeLogProbLoss,

@@ -27,14 +27,14 @@ from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree, Real
 CoefficientMode = Literal["regular", "sqrt", "off"]
 
 
-def _as_scalar(value: Real[ArrayLike, ""], name: str) -> Array:
+def as_scalar(value: Real[ArrayLike, ""], name: str) -> Array:
     value = jnp.asarray(value)
     if value.ndim != 0:
         raise ValueError(f"`{name}` must be a scalar, got an array of shape {value.shape}.")
     return value
 
 
-def _as_weight(weight: Real[ArrayLike, "..."], inputs: Array, cls: str) -> Array:
+def as_weight(weight: Real[ArrayLike, "..."], inputs: Array, cls: str) -> Array:
     """Checks a loss weight: a scalar, or one weight per example, shaped like the leading batch
     axes of `inputs` (all axes but the last), e.g. `(batch,)`."""
     weight = jnp.asarray(weight)
@@ -52,7 +52,7 @@ def _on_examples(weight: Array, values: Array) -> Array:
     return jnp.reshape(weight, weight.shape + (1,) * (values.ndim - weight.ndim)).astype(values.dtype)
 
 
-def _check_inputs(array: Array, name: str, cls: str) -> None:
+def check_inputs(array: Array, name: str, cls: str) -> None:
     # ndim 1 is allowed for a loss registered per example under `jax.vmap`.
     if array.ndim < 1:
         raise ValueError(
@@ -61,7 +61,7 @@ def _check_inputs(array: Array, name: str, cls: str) -> None:
         )
 
 
-def _apply_mask(values: Array, mask: Array | None, sqrt: bool = False) -> Array:
+def apply_mask(values: Array, mask: Array | None, sqrt: bool = False) -> Array:
     """Multiplies `values` by a mask broadcastable to it, or by its square root (for factors)."""
     if mask is None:
         return values
@@ -69,7 +69,7 @@ def _apply_mask(values: Array, mask: Array | None, sqrt: bool = False) -> Array:
     return values * (jnp.sqrt(mask) if sqrt else mask)
 
 
-def _check_shape(cls: str, name: str, array: Array | None, shape: tuple, expected: str) -> None:
+def check_shape(cls: str, name: str, array: Array | None, shape: tuple, expected: str) -> None:
     if array is not None and array.shape != shape:
         msg = f"{cls}: `{name}` must have shape {expected} = {shape}, not {array.shape}."
         raise ValueError(msg)
@@ -407,7 +407,7 @@ class NegativeLogProbLoss(LossFunction):
         return self.grad_of_evaluate(self.sample(key), coefficient_mode)
 
 
-class _AbstractFisherAsGGNLoss(NegativeLogProbLoss):
+class AbstractFisherAsGGNLoss(NegativeLogProbLoss):
     """A negative log-probability loss whose GGN is defined to be its Fisher.
 
     For a distribution parameterised by its natural parameters (normal mean, Bernoulli and

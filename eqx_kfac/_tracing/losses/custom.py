@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike, Float, Real
 
 from .. import tags as _tags
 from ..._core.linalg import eigh
-from .base import _as_weight, _check_inputs, CoefficientMode, LossFunction
+from .base import as_weight, check_inputs, CoefficientMode, LossFunction
 
 NegativeCurvature = Literal["warn", "clip", "raise"]
 _NEGATIVE_CURVATURE = ("warn", "clip", "raise")
@@ -89,7 +89,7 @@ class CustomLoss(LossFunction):
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
         name = type(self).__name__
-        _check_inputs(outputs, "outputs", name)
+        check_inputs(outputs, "outputs", name)
         if not callable(loss_fn):
             raise TypeError(f"{name}: `loss_fn` must be a function, got {type(loss_fn).__name__}.")
         try:
@@ -113,7 +113,7 @@ class CustomLoss(LossFunction):
             )
         self.outputs = outputs
         self.targets = targets
-        self.weight = _as_weight(weight, outputs, name)
+        self.weight = as_weight(weight, outputs, name)
         self.loss_fn = loss_fn
         self.negative_curvature = negative_curvature
         self.tolerance = float(tolerance)

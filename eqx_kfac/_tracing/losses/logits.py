@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Real
 
-from .base import _AbstractFisherAsGGNLoss, _apply_mask, _as_weight, _check_inputs, _check_shape
+from .base import AbstractFisherAsGGNLoss, apply_mask, as_weight, check_inputs, check_shape
 
 
 def _set_fields(
@@ -26,20 +26,20 @@ def _set_fields(
     (one per example) otherwise.
     """
     name = type(loss).__name__
-    _check_inputs(logits, "logits", name)
+    check_inputs(logits, "logits", name)
     fields = (("targets", targets, targets_per_class), ("mask", mask, mask_per_class))
     for field, value, per_class in fields:
         if per_class:
-            _check_shape(name, field, value, logits.shape, "logits.shape")
+            check_shape(name, field, value, logits.shape, "logits.shape")
         else:
-            _check_shape(name, field, value, logits.shape[:-1], "logits.shape[:-1]")
+            check_shape(name, field, value, logits.shape[:-1], "logits.shape[:-1]")
     loss.logits = logits
     loss.targets = targets
     loss.mask = mask
-    loss.weight = _as_weight(weight, logits, name)
+    loss.weight = as_weight(weight, logits, name)
 
 
-class MultiBernoulliNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
+class MultiBernoulliNegativeLogProbLoss(AbstractFisherAsGGNLoss):
     """Negative log-likelihood of independent Bernoulli outputs given by logits.
 
     The loss of one example is the sigmoid cross-entropy summed over the event axis,
@@ -75,7 +75,7 @@ class MultiBernoulliNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
 
     def evaluate_unweighted(self, targets: Array) -> Array:
         per_output = jnp.logaddexp(0, self.logits) - targets.astype(self.dtype) * self.logits
-        return jnp.sum(_apply_mask(per_output, self.mask), axis=-1)
+        return jnp.sum(apply_mask(per_output, self.mask), axis=-1)
 
     def sample(self, key: PRNGKeyArray) -> Array:
         return jax.random.bernoulli(key, jax.nn.sigmoid(self.logits)).astype(self.dtype)
@@ -86,7 +86,7 @@ class MultiBernoulliNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
 
     def _sqrt_fisher(self) -> Array:
         # p (1 - p) = 1 / (4 cosh²(l / 2)): smooth and free of 0 * inf for saturated logits.
-        return _apply_mask(0.5 / jnp.cosh(0.5 * self.logits), self.mask, sqrt=True)
+        return apply_mask(0.5 / jnp.cosh(0.5 * self.logits), self.mask, sqrt=True)
 
     def multiply_fisher_unweighted(self, vector: Sequence[Array]) -> tuple[Array, ...]:
         return (jnp.square(self._sqrt_fisher()) * vector[0],)
@@ -98,7 +98,7 @@ class MultiBernoulliNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
         return self._sqrt_fisher() * vector[0]
 
 
-class _AbstractCategoricalLoss(_AbstractFisherAsGGNLoss):
+class _AbstractCategoricalLoss(AbstractFisherAsGGNLoss):
     """Shared math of the categorical losses (integer or one-hot targets) on logits.
 
     With `p = softmax(l)` and `q = sqrt(p)`, the Fisher (= Hessian) of one example is
@@ -113,7 +113,7 @@ class _AbstractCategoricalLoss(_AbstractFisherAsGGNLoss):
 
     def _masked(self, values: Array, sqrt: bool = False) -> Array:
         mask = None if self.mask is None else self.mask[..., None]
-        return _apply_mask(values, mask, sqrt)
+        return apply_mask(values, mask, sqrt)
 
     def _log_probs(self) -> Array:
         return jax.nn.log_softmax(self.logits, axis=-1)

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
-from .base import _AbstractFisherAsGGNLoss, _as_scalar, _as_weight, _check_inputs, _check_shape
+from .base import AbstractFisherAsGGNLoss, as_scalar, as_weight, check_inputs, check_shape
 
 
-class NormalMeanNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
+class NormalMeanNegativeLogProbLoss(AbstractFisherAsGGNLoss):
     """Negative log-likelihood of a normal distribution with a predicted mean and fixed variance.
 
     The loss of one example is `‖t - mean‖² / (2 variance)` (plus the log-normaliser
@@ -45,12 +45,12 @@ class NormalMeanNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
         normalize_log_prob: bool = True,
     ):
         """**Arguments:** as the fields; `variance` and `weight` may be Python numbers."""
-        _check_inputs(mean, "mean", type(self).__name__)
-        _check_shape(type(self).__name__, "targets", targets, mean.shape, "mean.shape")
+        check_inputs(mean, "mean", type(self).__name__)
+        check_shape(type(self).__name__, "targets", targets, mean.shape, "mean.shape")
         self.mean = mean
         self.targets = targets
-        self.variance = _as_scalar(variance, "variance").astype(mean.dtype)
-        self.weight = _as_weight(weight, mean, type(self).__name__)
+        self.variance = as_scalar(variance, "variance").astype(mean.dtype)
+        self.weight = as_weight(weight, mean, type(self).__name__)
         self.normalize_log_prob = normalize_log_prob
 
     input_fields: ClassVar[tuple[str, ...]] = ("mean",)
@@ -79,7 +79,7 @@ class NormalMeanNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
         return vector[0] / jnp.sqrt(self.variance)
 
 
-class NormalMeanVarianceNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
+class NormalMeanVarianceNegativeLogProbLoss(AbstractFisherAsGGNLoss):
     """Negative log-likelihood of a normal distribution with predicted mean and variance.
 
     The loss of one example is `Σ_i [log(2π v_i) + (t_i - m_i)² / v_i] / 2` over the event axis.
@@ -113,13 +113,13 @@ class NormalMeanVarianceNegativeLogProbLoss(_AbstractFisherAsGGNLoss):
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
         name = type(self).__name__
-        _check_inputs(mean, "mean", name)
-        _check_shape(name, "variance", variance, mean.shape, "mean.shape")
-        _check_shape(name, "targets", targets, mean.shape, "mean.shape")
+        check_inputs(mean, "mean", name)
+        check_shape(name, "variance", variance, mean.shape, "mean.shape")
+        check_shape(name, "targets", targets, mean.shape, "mean.shape")
         self.mean = mean
         self.variance = variance
         self.targets = targets
-        self.weight = _as_weight(weight, mean, name)
+        self.weight = as_weight(weight, mean, name)
 
     input_fields: ClassVar[tuple[str, ...]] = ("mean", "variance")
 
