@@ -29,3 +29,11 @@ from .optimizers import (
 )
 from .tags import register_taylor_dense as register_taylor_dense, taylor_dense_tag as taylor_dense_tag
 from .taylor import TaylorInput as TaylorInput, TaylorOutput as TaylorOutput, taylor_forward as taylor_forward
+
+from .._curvature.estimators.block_diagonal import set_default_tag_to_block_ctor as _set_default
+from .tags import TAG_NAME as _TAG_NAME
+
+
+# The estimators give `taylor_dense` layers the paper's block unless told otherwise (through
+# `layer_tag_to_block_ctor`, or `eqx_kfac.set_default_tag_to_block_ctor` for every estimator).
+_set_default(_TAG_NAME, TaylorDenseKroneckerSum)
