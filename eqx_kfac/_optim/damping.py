@@ -134,7 +134,7 @@ class AbstractDampingRule(eqx.Module):
         """
 
 
-class _ValueDamping(AbstractDampingRule):
+class _AbstractValueDamping(AbstractDampingRule):
     """A damping taken from a hyperparameter and stored as the state, never adapted."""
 
     source: eqx.AbstractVar[AbstractHyperparameter]
@@ -155,13 +155,13 @@ class _ValueDamping(AbstractDampingRule):
         return DampingState(damping.astype(state.damping.dtype)), report
 
 
-class GivenDamping(_ValueDamping):
+class GivenDamping(_AbstractValueDamping):
     """The damping passed to `step` at each step."""
 
     source: AbstractHyperparameter = eqx.field(default_factory=GivenHyperparameter)
 
 
-class ScheduledDamping(_ValueDamping):
+class ScheduledDamping(_AbstractValueDamping):
     """A damping schedule: a function of the step counter (and of `data_seen=`).
 
     **Fields:**
