@@ -7,8 +7,8 @@ array). With `solver=` set, `(C + λI)⁻¹ v` is `lineax.linear_solve(K + λ·I
 - uncached, from the current statistics and the damping given to `multiply_matpower`;
 - cached, from the solver state `solver.init(K + λ·I, {})` that `update_cache` stores, with the
   damping given to `update_cache` (as for cached approximate powers). Only the state's array
-  leaves are stored (under one cache key, as zeros from `init`); its static parts are rebuilt by
-  tracing `solver.init` abstractly, so the block state stays a PyTree of arrays.
+  leaves are stored (in the cache's `solver_state`, as zeros from `init`); its static parts are
+  rebuilt by tracing `solver.init` abstractly, so the block state stays a PyTree of arrays.
 
 A solve whose `result` is not `lineax.RESULTS.successful` (e.g. CG out of steps) gives NaNs, so
 that a failed solve is visible: `Optimizer` skips a step whose update is not finite
@@ -29,15 +29,13 @@ from ..._core.control_flow import select_changed
 from ..._core.linalg import limit_lapack_threads
 from ..operators.structured import KroneckerOperator
 from ..._core.tree import all_finite
-from .base import CurvatureBlock, power_key
+from .base import CurvatureBlock
 
 SolverChoice = (
     lx.AbstractLinearSolver
     | Sequence[lx.AbstractLinearSolver | None]
     | Callable[[CurvatureBlock], lx.AbstractLinearSolver | None]
 )
-
-SOLVER_CACHE_KEY = f"solver {power_key(-1)}"
 
 _PSD = (lx.symmetric_tag, lx.positive_semidefinite_tag)
 
@@ -134,45 +132,44 @@ def zero_solver_state(
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _require_solver_state(block: CurvatureBlock, cache: dict[str, Any]) -> None:
-    block._require_cache(
-        cache,
-        SOLVER_CACHE_KEY,
-        f"state of its solver {type(block.solver).__name__} (power -1)",
-        "exact_powers_to_cache",
-    )
+def _require_solver_state(block: CurvatureBlock, solver_state: PyTree[Array] | None) -> PyTree[Array]:
+    if solver_state is None:
+        raise block._missing_cache(
+            f"state of its solver {type(block.solver).__name__} (power -1)", "exact_powers_to_cache"
+        )
+    return solver_state
 
 
-def store_solver_state(
+def refreshed_solver_state(
     block: CurvatureBlock,
-    cache: dict[str, Any],
+    solver_state: PyTree[Array] | None,
     factors: Sequence[Array],
     identity_weight: ArrayLike,
-) -> None:
-    """Stores the array part of `block.solver.init(K + λ·I, {})` in `cache` (`update_cache`).
+) -> PyTree[Array]:
+    """The array part of `block.solver.init(K + λ·I, {})`, for `update_cache`.
 
     **Arguments:**
 
     - `block`: a block with a `solver` field that is not `None` (named in errors).
-    - `cache`: the slice's new cache dict, which `init` must have given the solver's key.
+    - `solver_state`: the cached state, which `init` must have declared (not `None`).
     - `factors`: the current Kronecker factors.
     - `identity_weight`: the damping `λ` frozen into the cache.
 
     **Returns:**
 
-    Nothing; `cache` holds the state's array part, structured like `zero_solver_state`'s result.
-    A factorisation that fails (a state that is not finite, e.g. Cholesky of an indefinite
-    `K + λI`) keeps the previous state.
+    The new state's array part, structured like `zero_solver_state`'s result. A factorisation
+    that fails (a state that is not finite, e.g. Cholesky of an indefinite `K + λI`) keeps the
+    previous state.
     """
-    _require_solver_state(block, cache)
+    previous = _require_solver_state(block, solver_state)
     state = _full_state(block.solver, factors, identity_weight)
     new, _ = eqx.partition(state, eqx.is_array)
-    cache[SOLVER_CACHE_KEY] = select_changed(all_finite(new), new, cache[SOLVER_CACHE_KEY])
+    return select_changed(all_finite(new), new, previous)
 
 
 def solver_inverse(
     block: CurvatureBlock,
-    cache: dict[str, Any],
+    solver_state: PyTree[Array] | None,
     factors: Sequence[Array],
     operand: Array,
     identity_weight: ArrayLike,
@@ -183,7 +180,7 @@ def solver_inverse(
     **Arguments:**
 
     - `block`: a block with a `solver` field that is not `None` (named in errors).
-    - `cache`: the slice's cache dict.
+    - `solver_state`: the slice's cached solver state (`None` when not declared at `init`).
     - `factors`: the current Kronecker factors of the slice.
     - `operand`: the canonical operand shaped `(n_1, ..., n_k)`.
     - `identity_weight`: the damping `λ` (ignored with `use_cached`: the cached state holds the
@@ -197,9 +194,9 @@ def solver_inverse(
     solver = block.solver
     operator = damped_kronecker_operator(factors, identity_weight)
     if use_cached:
-        _require_solver_state(block, cache)
+        arrays = _require_solver_state(block, solver_state)
         _, static = _state_split(solver, [f.shape[0] for f in factors], factors[0].dtype)
-        state = eqx.combine(cache[SOLVER_CACHE_KEY], static)
+        state = eqx.combine(arrays, static)
         solution = lx.linear_solve(operator, operand, solver, state=state, throw=False)
     else:
         solution = lx.linear_solve(operator, operand, solver, throw=False)

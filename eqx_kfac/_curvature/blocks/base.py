@@ -49,7 +49,6 @@ from ..operators.curvature import (
 )
 from ..._core.linalg import map_slices
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..operators.kronecker_powers import kronecker_eigh
 from .statistics import statistics_dtype
 
 
@@ -550,25 +549,3 @@ class CurvatureBlock(eqx.Module):
         """Raises `_missing_cache(what, argument)` unless `key` was declared in the cache."""
         if key not in cache:
             raise self._missing_cache(what, argument)
-
-    def _check_eigh_cache(
-        self, cache: dict[str, Any], exact_powers: tuple[float, ...], eigenvalues: bool
-    ) -> None:
-        """Raises `_missing_cache` unless the cache was declared for the eigendecompositions that
-        `exact_powers` and `eigenvalues` ask to refresh (keys `eigenvectors`, `eigenvalues`)."""
-        if exact_powers:
-            self._require_cache(cache, "eigenvectors", f"exact powers {exact_powers}", "exact_powers_to_cache")
-        if eigenvalues:
-            self._require_cache(cache, "eigenvalues", "eigenvalues", "cache_eigenvalues")
-
-    @staticmethod
-    def _store_eigh(
-        cache: dict[str, Any], factors: Sequence[Array], exact_powers: tuple[float, ...], eigenvalues: bool
-    ) -> None:
-        """Stores the factors' eigendecompositions in `cache` when exact powers or eigenvalues are
-        refreshed: the eigenvalues, and for exact powers the eigenvectors (one per factor)."""
-        if exact_powers or eigenvalues:
-            eigh = kronecker_eigh(factors)
-            cache["eigenvalues"] = eigh.eigenvalues
-            if exact_powers:
-                cache["eigenvectors"] = eigh.eigenvectors

@@ -15,7 +15,8 @@ from ..operators.curvature import (
 )
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..operators.kronecker_powers import kronecker_eigh
-from .base import CurvatureBlock, power_key, Power
+from .base import CurvatureBlock, Power
+from .cache import EighCache, FactorCache, PowerCache
 from .statistics import WeightedMovingAverage
 
 
@@ -26,14 +27,14 @@ class EmbeddingState(eqx.Module):
 
     - `frequencies`: moving average of the input factor's diagonal `(vocab,)`.
     - `output_factor`: moving average of `G`, `(features, features)`.
-    - `cache`: `"eigenvalues"` / `"eigenvectors"` of `G` (for cached eigenvalues or exact
-      powers) and, per cached approximate power `p`, `"approx <p>"`: the damped, powered
-      diagonal and `G` factor.
+    - `cache`: the eigenvalues and eigenvectors of `G` (for cached eigenvalues or exact powers)
+      and, per cached approximate power `p`, the damped, powered diagonal and `G` factor (no
+      solver state).
     """
 
     frequencies: WeightedMovingAverage
     output_factor: WeightedMovingAverage
-    cache: dict[str, tuple[Array, ...]]
+    cache: FactorCache
 
 
 class EmbeddingKroneckerFactored(CurvatureBlock):
@@ -78,16 +79,16 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
 
     def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> EmbeddingState:
         vocab, features = self._sizes
-        cache = {}
-        if exact_powers or cache_eigenvalues:
-            cache["eigenvalues"] = (jnp.zeros((features,), self.dtype),)
-        if exact_powers:
-            cache["eigenvectors"] = (jnp.zeros((features, features), self.dtype),)
-        for p in approx_powers:
-            cache[f"approx {power_key(p)}"] = (
-                jnp.zeros((vocab,), self.dtype),
-                jnp.zeros((features, features), self.dtype),
-            )
+        cache = FactorCache(
+            eigh=EighCache.zeros(
+                (features,), self.dtype, eigenvalues=cache_eigenvalues, eigenvectors=bool(exact_powers)
+            ),
+            approx=PowerCache.zeros(
+                approx_powers,
+                lambda: (jnp.zeros((vocab,), self.dtype), jnp.zeros((features, features), self.dtype)),
+            ),
+            solver_state=None,
+        )
         return EmbeddingState(
             frequencies=WeightedMovingAverage.zeros((vocab,), self.dtype),
             output_factor=WeightedMovingAverage.zeros((features, features), self.dtype),
@@ -112,15 +113,15 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
     def _update_cache(
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
     ) -> EmbeddingState:
-        cache = dict(state.cache)
-        self._check_eigh_cache(cache, exact_powers, eigenvalues)
-        self._store_eigh(cache, [state.output_factor.value], exact_powers, eigenvalues)
-        for p in approx_powers:
-            key = f"approx {power_key(p)}"
-            self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
-            cache[key] = self._slice_operator(state, identity_weight).matpower(p, False).factors
+        eigh = state.cache.eigh.refreshed(self, [state.output_factor.value], exact_powers, eigenvalues)
+        operator = self._slice_operator(state, identity_weight)
+        approx = state.cache.approx.refreshed(
+            self, approx_powers, lambda p, _: operator.matpower(p, False).factors
+        )
         return EmbeddingState(
-            frequencies=state.frequencies, output_factor=state.output_factor, cache=cache
+            frequencies=state.frequencies,
+            output_factor=state.output_factor,
+            cache=FactorCache(eigh, approx, None),
         )
 
     def _multiply_matpower(
@@ -136,26 +137,21 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             operator = self._slice_operator(state, identity_weight)
             return operator.matpower(power, exact_power).mv(vector)
         if exact_power:
-            what = f"exact power {power}"
-            self._require_cache(state.cache, "eigenvectors", what, "exact_powers_to_cache")
-            (vals,), (vecs,) = state.cache["eigenvalues"], state.cache["eigenvectors"]
+            eigh = state.cache.eigh.decomposition(self, f"exact power {power}")
+            (vals,), (vecs,) = eigh.eigenvalues, eigh.eigenvectors
             spectrum = jnp.outer(state.frequencies.value, vals)
             cached = EigenbasisCurvatureOperator(
                 (None, vecs), spectrum, identity_weight, self._layout
             )
             return cached.matpower(power).mv(vector)
-        key = f"approx {power_key(power)}"
-        what = f"approximate power {power}"
-        self._require_cache(state.cache, key, what, "approx_powers_to_cache")
-        return KroneckerCurvatureOperator(state.cache[key], 0.0, self._layout).mv(vector)
+        powered = state.cache.approx.get(self, power)
+        return KroneckerCurvatureOperator(powered, 0.0, self._layout).mv(vector)
 
     def _eigenvalues(self, state: EmbeddingState, use_cached: bool) -> Array:
-        if not use_cached:
-            vals = kronecker_eigh([state.output_factor.value]).eigenvalues[0]
-        elif "eigenvalues" not in state.cache:
-            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
+        if use_cached:
+            (vals,) = state.cache.eigh.values(self)
         else:
-            (vals,) = state.cache["eigenvalues"]
+            vals = kronecker_eigh([state.output_factor.value]).eigenvalues[0]
         return jnp.reshape(state.frequencies.value[:, None] * vals[None, :], (-1,))
 
     def _to_dense(self, state: EmbeddingState) -> Array:

@@ -7,11 +7,11 @@ import equinox as eqx
 import jax.numpy as jnp
 import lineax as lx
 from jax.typing import ArrayLike
-from jaxtyping import Array, PyTree
+from jaxtyping import Array
 
 from ..operators.curvature import KroneckerCurvatureOperator, ReshapeLayout
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..operators.kronecker_powers import kronecker_damped_matpower, kronecker_eigh, KroneckerEigh, pi_adjusted_inverse
+from ..operators.kronecker_powers import kronecker_damped_matpower, kronecker_eigh, pi_adjusted_inverse
 from ._layer_stats import (
     check_dense_spec,
     check_scale_and_shift_spec,
@@ -19,10 +19,9 @@ from ._layer_stats import (
     scale_and_shift_gradient_samples,
 )
 from ._solver_cache import (
-    SOLVER_CACHE_KEY,
+    refreshed_solver_state,
     solver_inverse,
     solver_takes_inverse,
-    store_solver_state,
     zero_solver_state,
 )
 from .base import (
@@ -31,6 +30,7 @@ from .base import (
     Power,
     unflatten_vector,
 )
+from .cache import EighCache, FactorCache, PowerCache
 from .statistics import (
     outer_from_samples,
     WeightedMovingAverage,
@@ -43,13 +43,14 @@ class FullState(eqx.Module):
     **Fields:**
 
     - `matrix`: moving average of the `(dim, dim)` curvature (parameters flattened in order).
-    - `cache`: `"eigenvalues"` (`(dim,)`) when eigenvalues or powers are cached,
-      `"eigenvectors"` (`(dim, dim)`) when powers are cached, and, for a block with a `solver`
-      caching power -1, the array part of the solver's state (see `Full`).
+    - `cache`: the matrix's eigenvalues (`(dim,)`, when eigenvalues or powers are cached) and
+      eigenvectors (`(dim, dim)`, when powers are cached), and, for a block with a `solver`
+      caching power -1, the array part of the solver's state (see `Full`). Approximate powers
+      are exact here, so they are cached as eigendecompositions too.
     """
 
     matrix: WeightedMovingAverage
-    cache: dict[str, PyTree[Array]]
+    cache: FactorCache
 
 
 class Full(CurvatureBlock):
@@ -92,13 +93,16 @@ class Full(CurvatureBlock):
             self.solver, exact_powers, approx_powers
         )
         d = self.slice_dim
-        cache = {}
-        if exact_powers or approx_powers or cache_eigenvalues:
-            cache["eigenvalues"] = jnp.zeros((d,), self.dtype)
-        if exact_powers or approx_powers:
-            cache["eigenvectors"] = jnp.zeros((d, d), self.dtype)
-        if inverse:
-            cache[SOLVER_CACHE_KEY] = zero_solver_state(self.solver, (d,), self.dtype)
+        cache = FactorCache(
+            eigh=EighCache.zeros(
+                (d,),
+                self.dtype,
+                eigenvalues=cache_eigenvalues,
+                eigenvectors=bool(exact_powers or approx_powers),
+            ),
+            approx=PowerCache((), ()),
+            solver_state=zero_solver_state(self.solver, (d,), self.dtype) if inverse else None,
+        )
         return FullState(matrix=WeightedMovingAverage.zeros((d, d), self.dtype), cache=cache)
 
     def _update(self, state, data, ema_old, ema_new, batch_size) -> FullState:
@@ -111,21 +115,13 @@ class Full(CurvatureBlock):
         exact_powers, approx_powers, inverse = solver_takes_inverse(
             self.solver, exact_powers, approx_powers
         )
+        factors = (state.matrix.value,)
         powers = exact_powers or approx_powers
-        if powers and "eigenvectors" not in state.cache:
-            raise self._missing_cache(f"powers {powers}", "exact_powers_to_cache")
-        if eigenvalues and "eigenvalues" not in state.cache:
-            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
-        if not (powers or eigenvalues or inverse):
-            return state
-        cache = dict(state.cache)
+        eigh = state.cache.eigh.refreshed(self, factors, powers, eigenvalues, "powers")
+        solver_state = state.cache.solver_state
         if inverse:
-            store_solver_state(self, cache, (state.matrix.value,), identity_weight)
-        if powers or eigenvalues:
-            eigh = kronecker_eigh([state.matrix.value])
-            cache["eigenvalues"] = eigh.eigenvalues[0]
-            if powers:
-                cache["eigenvectors"] = eigh.eigenvectors[0]
+            solver_state = refreshed_solver_state(self, solver_state, factors, identity_weight)
+        cache = FactorCache(eigh, state.cache.approx, solver_state)
         return FullState(matrix=state.matrix, cache=cache)
 
     def _multiply_matpower(
@@ -143,13 +139,11 @@ class Full(CurvatureBlock):
         if power == 1:
             result = matrix @ flat + identity_weight * flat
         elif power == -1 and self.solver is not None:
-            result = solver_inverse(self, state.cache, (matrix,), flat, identity_weight, use_cached)
-        elif use_cached:
-            self._require_cache(state.cache, "eigenvectors", f"power {power}", "exact_powers_to_cache")
-            eigh = KroneckerEigh(
-                eigenvalues=(state.cache["eigenvalues"],),
-                eigenvectors=(state.cache["eigenvectors"],),
+            result = solver_inverse(
+                self, state.cache.solver_state, (matrix,), flat, identity_weight, use_cached
             )
+        elif use_cached:
+            eigh = state.cache.eigh.decomposition(self, f"power {power}")
             result = kronecker_damped_matpower(eigh, flat, identity_weight, power)
         else:
             # With a single factor the pi-adjusted damping is exactly `matrix + λ I`.
@@ -157,10 +151,9 @@ class Full(CurvatureBlock):
         return unflatten_vector(result, self.spec.param_shapes)
 
     def _eigenvalues(self, state: FullState, use_cached: bool) -> Array:
-        if not use_cached:
-            return kronecker_eigh([state.matrix.value]).eigenvalues[0]
-        self._require_cache(state.cache, "eigenvalues", "eigenvalues", "cache_eigenvalues")
-        return state.cache["eigenvalues"]
+        if use_cached:
+            return state.cache.eigh.values(self)[0]
+        return kronecker_eigh([state.matrix.value]).eigenvalues[0]
 
     def _to_dense(self, state: FullState) -> Array:
         return state.matrix.value

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import Array, PyTree
+from jaxtyping import Array
 
 from ..operators.curvature import AbstractParameterLayout, KroneckerCurvatureOperator
 from ..._tracing.layer_data import EstimationData, LayerSpec
@@ -20,7 +20,6 @@ from ..operators.structured import (
 from ..operators.kronecker_powers import (
     kronecker_damped_matpower,
     kronecker_eigh,
-    KroneckerEigh,
     pi_adjusted_inverse,
     refreshed_inverse_factors,
 )
@@ -29,17 +28,16 @@ from ._layer_stats import (
     dense_layout,
 )
 from ._solver_cache import (
-    SOLVER_CACHE_KEY,
+    refreshed_solver_state,
     solver_inverse,
     solver_takes_inverse,
-    store_solver_state,
     zero_solver_state,
 )
 from .base import (
     CurvatureBlock,
-    power_key,
     Power,
 )
+from .cache import EighCache, FactorCache, PowerCache
 from .statistics import WeightedMovingAverage
 
 
@@ -49,15 +47,14 @@ class KroneckerState(eqx.Module):
     **Fields:**
 
     - `factors`: one moving average per Kronecker factor, `(n_i, n_i)`.
-    - `cache`: `"eigenvalues"` (per factor, when eigenvalues or exact powers are cached),
-      `"eigenvectors"` (per factor, when exact powers are cached) and `"approx <p>"` (per factor:
-      the pi-adjusted damped factor raised to `p`, for each cached approximate power `p`), and,
-      for a block with a `solver` caching power -1, the array part of the solver's state (see
-      `KroneckerFactored`).
+    - `cache`: the factors' eigenvalues (when eigenvalues or exact powers are cached) and
+      eigenvectors (when exact powers are cached), per cached approximate power `p` the
+      pi-adjusted damped factors raised to `p`, and, for a block with a `solver` caching power
+      -1, the array part of the solver's state (see `KroneckerFactored`).
     """
 
     factors: tuple[WeightedMovingAverage, ...]
-    cache: dict[str, PyTree[Array]]
+    cache: FactorCache
 
 
 class KroneckerFactored(CurvatureBlock):
@@ -147,15 +144,15 @@ class KroneckerFactored(CurvatureBlock):
             self.solver, exact_powers, approx_powers
         )
         dims = self.factor_dims
-        cache = {}
-        if inverse:
-            cache[SOLVER_CACHE_KEY] = zero_solver_state(self.solver, dims, self.dtype)
-        if exact_powers or cache_eigenvalues:
-            cache["eigenvalues"] = tuple(jnp.zeros((n,), self.dtype) for n in dims)
-        if exact_powers:
-            cache["eigenvectors"] = tuple(jnp.zeros((n, n), self.dtype) for n in dims)
-        for p in approx_powers:
-            cache[f"approx {power_key(p)}"] = tuple(jnp.zeros((n, n), self.dtype) for n in dims)
+        cache = FactorCache(
+            eigh=EighCache.zeros(
+                dims, self.dtype, eigenvalues=cache_eigenvalues, eigenvectors=bool(exact_powers)
+            ),
+            approx=PowerCache.zeros(
+                approx_powers, lambda: tuple(jnp.zeros((n, n), self.dtype) for n in dims)
+            ),
+            solver_state=zero_solver_state(self.solver, dims, self.dtype) if inverse else None,
+        )
         return KroneckerState(
             factors=tuple(WeightedMovingAverage.zeros((n, n), self.dtype) for n in dims),
             cache=cache,
@@ -177,20 +174,19 @@ class KroneckerFactored(CurvatureBlock):
         exact_powers, approx_powers, inverse = solver_takes_inverse(
             self.solver, exact_powers, approx_powers
         )
-        cache = dict(state.cache)
-        self._check_eigh_cache(cache, exact_powers, eigenvalues)
         factors = self._factor_values(state)
+        eigh = state.cache.eigh.refreshed(self, factors, exact_powers, eigenvalues)
+        solver_state = state.cache.solver_state
         if inverse:
-            store_solver_state(self, cache, factors, identity_weight)
-        self._store_eigh(cache, factors, exact_powers, eigenvalues)
-        for p in approx_powers:
-            key = f"approx {power_key(p)}"
-            self._require_cache(cache, key, f"approximate power {p}", "approx_powers_to_cache")
+            solver_state = refreshed_solver_state(self, solver_state, factors, identity_weight)
+
+        def powered(p: float, previous: tuple[Array, ...]) -> tuple[Array, ...]:
             if p == -1:
-                cache[key] = refreshed_inverse_factors(factors, identity_weight, cache[key])
-            else:
-                cache[key] = pi_adjusted_inverse(factors, identity_weight, float(p)).factors
-        return KroneckerState(factors=state.factors, cache=cache)
+                return refreshed_inverse_factors(factors, identity_weight, previous)
+            return pi_adjusted_inverse(factors, identity_weight, p).factors
+
+        approx = state.cache.approx.refreshed(self, approx_powers, powered)
+        return KroneckerState(factors=state.factors, cache=FactorCache(eigh, approx, solver_state))
 
     def _multiply_matpower(
         self,
@@ -206,39 +202,33 @@ class KroneckerFactored(CurvatureBlock):
         if not exact_power and power != 1 and (power != -1 or self.solver is None):
             # One matrix per factor, applied on the arrangement that is cheapest to form.
             if use_cached:
-                key = f"approx {power_key(power)}"
-                self._require_cache(state.cache, key, f"approximate power {power}", "approx_powers_to_cache")
-                powered = state.cache[key]
+                powered = state.cache.approx.get(self, power)
             else:
                 powered = pi_adjusted_inverse(factors, identity_weight, float(power)).factors
             array, axes = self._params_to_product_array(vector)
             return self._product_array_to_params(apply_factors(powered, array, axes))
         array = self._params_to_array(vector)
         if power == -1 and self.solver is not None:
-            result = solver_inverse(self, state.cache, factors, array, identity_weight, use_cached)
+            result = solver_inverse(
+                self, state.cache.solver_state, factors, array, identity_weight, use_cached
+            )
         elif power == 1 and exact_power:
             result = KroneckerOperator(factors).mv(array) + identity_weight * array
         elif power == 1:
             result = pi_adjusted_inverse(factors, identity_weight, 1.0).mv(array)
         elif exact_power:
             if use_cached:
-                self._require_cache(state.cache, "eigenvectors", f"exact power {power}", "exact_powers_to_cache")
-                eigh = KroneckerEigh(
-                    eigenvalues=state.cache["eigenvalues"],
-                    eigenvectors=state.cache["eigenvectors"],
-                )
+                eigh = state.cache.eigh.decomposition(self, f"exact power {power}")
             else:
                 eigh = kronecker_eigh(factors)
             result = kronecker_damped_matpower(eigh, array, identity_weight, power)
         return self._array_to_params(result)
 
     def _eigenvalues(self, state: KroneckerState, use_cached: bool) -> Array:
-        if not use_cached:
-            values = kronecker_eigh(self._factor_values(state)).eigenvalues
-        elif "eigenvalues" not in state.cache:
-            raise self._missing_cache("eigenvalues", "cache_eigenvalues")
+        if use_cached:
+            values = state.cache.eigh.values(self)
         else:
-            values = state.cache["eigenvalues"]
+            values = kronecker_eigh(self._factor_values(state)).eigenvalues
         return kron_vectors(values)
 
     def _slice_operator(
