@@ -132,6 +132,10 @@ class CurvatureBlock(eqx.Module):
       only uses `params_tangent` and so fits every tag;
     - optionally override `_check_spec()` to raise `ValueError` for specs it cannot handle
       (called after `supported_tags` is checked);
+    - leave the class variable `takes_solver` `False`, unless the block declares a field
+      `solver: lineax.AbstractLinearSolver | None` for its power `-1` (as the families `Full`
+      and `KroneckerFactored` do, see their docstrings): `BlockDiagonalCurvature(inverse_solver=)`
+      sets that field on the blocks whose class says `takes_solver = True`;
     - implement the per-slice private methods listed in the module docstring of
       `eqx_kfac._curvature.blocks.base`. They see one ordinary layer: `vector`s are tuples shaped like
       `spec.param_shapes`, `EstimationData` fields have no stack axis, eigenvalues are flat
@@ -147,6 +151,7 @@ class CurvatureBlock(eqx.Module):
 
     spec: eqx.AbstractVar[LayerSpec]
     supported_tags: ClassVar[frozenset[str] | None] = None
+    takes_solver: ClassVar[bool] = False
 
     def __check_init__(self):
         if not _fits(type(self), self.spec.tag):
@@ -213,8 +218,8 @@ class CurvatureBlock(eqx.Module):
 
     def _factorises_with_solver(self, power: Power) -> bool:
         """Whether power `power` goes through a lineax solver's factorisations: power -1 of a
-        block whose `solver` field (the families `Full` and `KroneckerFactored`) is set."""
-        return power == -1 and getattr(self, "solver", None) is not None
+        block that takes a solver (`takes_solver`) and has one set."""
+        return power == -1 and self.takes_solver and self.solver is not None
 
     def _check_vector(self, vector: Sequence[Array]) -> tuple[Array, ...]:
         vector = tuple(vector)

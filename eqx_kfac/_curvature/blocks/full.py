@@ -83,6 +83,7 @@ class Full(CurvatureBlock):
     """
 
     solver: lx.AbstractLinearSolver | None = eqx.field(static=True, default=None, kw_only=True)
+    takes_solver: ClassVar[bool] = True
 
     @abc.abstractmethod
     def _full_statistics(self, data: EstimationData, batch_size: ArrayLike) -> Array:

@@ -108,6 +108,7 @@ class KroneckerFactored(CurvatureBlock):
     """
 
     solver: lx.AbstractLinearSolver | None = eqx.field(static=True, default=None, kw_only=True)
+    takes_solver: ClassVar[bool] = True
 
     @property
     @abc.abstractmethod

@@ -116,10 +116,6 @@ def _check_override_keys(
         )
 
 
-def _takes_solver(block: CurvatureBlock) -> bool:
-    return any(f.name == "solver" for f in dataclasses.fields(block))
-
-
 def _with_solvers(
     blocks: tuple[CurvatureBlock, ...], choice: SolverChoice | None
 ) -> tuple[CurvatureBlock, ...]:
@@ -128,7 +124,7 @@ def _with_solvers(
         return blocks
     if isinstance(choice, lx.AbstractLinearSolver):
         # One solver for all: it applies to the blocks that take one; the others keep theirs.
-        if not any(_takes_solver(b) for b in blocks):
+        if not any(b.takes_solver for b in blocks):
             raise ValueError(
                 "BlockDiagonalCurvature(inverse_solver=...): no block takes a solver (only "
                 "`Full` and `KroneckerFactored` blocks do); the blocks are: "
@@ -136,7 +132,7 @@ def _with_solvers(
                 "Drop inverse_solver or choose such blocks with `layer_tag_to_block_ctor`."
             )
         return tuple(
-            dataclasses.replace(b, solver=choice) if _takes_solver(b) else b for b in blocks
+            dataclasses.replace(b, solver=choice) if b.takes_solver else b for b in blocks
         )
     if isinstance(choice, tuple):
         if len(choice) != len(blocks):
@@ -161,7 +157,7 @@ def _with_solvers(
                 f"({type(block).__name__} for the {block.spec.describe}) is a "
                 f"{type(solver).__name__}, not a lineax solver; return a lineax solver or None."
             )
-        elif not _takes_solver(block):
+        elif not block.takes_solver:
             raise ValueError(
                 f"BlockDiagonalCurvature(inverse_solver=...): block {i}, {type(block).__name__} "
                 f"for the {block.spec.describe}, has no `solver` field (only `Full` and "
