@@ -483,3 +483,23 @@ def test_generic_tag_before_a_layer_is_not_mistaken_for_its_outputs(getkey):
 
     specs = trace(f, (p, jnp.ones((4, 3)))).layer_specs
     assert sorted((s.tag, s.param_paths) for s in specs) == [("dense", ("['w']",)), ("generic", ("['t']",))]
+
+
+def test_abstract_and_concrete_arguments_share_one_trace():
+    # The estimator traces `ShapeDtypeStruct`s, the loss checks and the step concrete arrays or
+    # tracers of the same shapes: one trace serves them all (each trace of a large model costs
+    # seconds). PRNG keys in the arguments are keyed by their extended dtype.
+    def loss(params, key, batch):
+        x, y = batch
+        noise = 0.0 * jax.random.normal(key, x.shape)
+        register_squared_error_loss(register_dense(x @ params["w"], x + noise, params["w"]), y)
+        return jnp.sum(x)
+
+    params = {"w": jnp.ones((3, 2))}
+    args = (params, jax.random.key(0), (jnp.ones((4, 3)), jnp.zeros((4, 2))))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    first = trace(loss, abstract)
+    assert trace(loss, args) is first
+    inside_jit = []
+    jax.jit(lambda *a: inside_jit.append(trace(loss, a)) or 0.0)(*args)
+    assert inside_jit[0] is first

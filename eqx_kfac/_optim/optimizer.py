@@ -322,7 +322,7 @@ class Optimizer(AbstractOptimizer):
         estimator, _ = self.estimators(func_args)
         if not self.multi_device:
             # (Under `multi_device` the loss may use collectives, which need the step's map.)
-            self.preconditioner.check_loss(self.function.value, self.function.loss_of, func_args, estimator)
+            self.preconditioner.check_loss(self.function.loss_of, func_args, estimator)
         filtered = eqx.filter(params, eqx.is_inexact_array)
         dtype = jnp.result_type(*jax.tree.leaves(filtered), jnp.float32)
 

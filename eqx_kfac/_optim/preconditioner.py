@@ -170,7 +170,6 @@ class Preconditioner(eqx.Module):
 
     def check_loss(
         self,
-        func: Callable[..., Any],
         loss_of: Callable[[Any], Any],
         func_args: Sequence[Any],
         estimator: BlockDiagonalCurvature,
@@ -181,8 +180,10 @@ class Preconditioner(eqx.Module):
         batch_size = self.batch_size(estimator, func_args)
         if self.curvature.batch_size_extractor is not None:
             check_batch_size(estimator.func, func_args, batch_size)
-        check_loss_is_averaged(func, loss_of, func_args, batch_size)
-        check_labels(func, loss_of, func_args)
+        # The estimator's function is `func` with its layers tagged (tags return their inputs):
+        # the same values, and the trace the estimator made already.
+        check_loss_is_averaged(estimator.func, loss_of, func_args, batch_size)
+        check_labels(estimator.func, loss_of, func_args)
 
     def init(self, estimator: BlockDiagonalCurvature, key: PRNGKeyArray | None = None) -> EstimatorState:
         """The estimator's state, with the direction's powers cached when the schedule caches."""

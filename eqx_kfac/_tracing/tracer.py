@@ -27,14 +27,21 @@ from .traced import is_dynamic, LayerHook, LossHook, run_traced, TracedFunction
 _TRACED = LRUCache(maxsize=64)
 
 
+def _aval_key(x: Any) -> Any:
+    """What of an argument leaf its trace depends on: shape, dtype, weak type and the mesh axes it
+    varies over (under `shard_map`), alike for arrays, tracers and `jax.ShapeDtypeStruct`s, so an
+    abstract and a concrete argument share one trace."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)), frozenset())
+    if is_dynamic(x):
+        aval = jax.typeof(x)
+        return (tuple(aval.shape), aval.dtype, bool(aval.weak_type), frozenset(getattr(aval, "vma", ())))
+    return ("static", x)
+
+
 def _cache_key(func: Callable, func_args: Sequence[Any], params_index: int) -> Any:
     leaves, treedef = jax.tree.flatten(tuple(func_args))
-    avals = tuple(
-        (x.shape, x.dtype, getattr(x, "weak_type", False)) if isinstance(x, jax.ShapeDtypeStruct)
-        else jax.typeof(x) if is_dynamic(x) else ("static", x)
-        for x in leaves
-    )
-    return (func, params_index, treedef, avals)
+    return (func, params_index, treedef, tuple(_aval_key(x) for x in leaves))
 
 
 def trace(func: Callable, func_args: Sequence[Any], params_index: int = 0) -> TracedFunction:
