@@ -22,6 +22,11 @@ slice** (one ordinary layer):
 - optionally `_slice_operator(state, identity_weight) -> AbstractSliceCurvatureOperator`: the damped
   curvature as a structured operator (default: the dense matrix of `_to_dense`)
 
+Two methods see the whole block (stack axis included) and answer `eqx_kfac.damped_block_operator`
+and `eqx_kfac.solve_block`: `_damped_operator(state, identity_weight)` and `_solve(state, vector,
+identity_weight, solver)`. Their defaults use `as_linear_operator`; the Kronecker form
+(`AbstractKroneckerFormBlock`: `Full`, `KroneckerFactored`) solves on its canonical array.
+
 Most new blocks subclass a family instead (`Diagonal`, `Full`, `KroneckerFactored`), which
 implement all of the above and leave only the layer-specific statistics abstract.
 """
@@ -33,6 +38,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PRNGKeyArray
@@ -132,10 +138,10 @@ class CurvatureBlock(eqx.Module):
       only uses `params_tangent` and so fits every tag;
     - optionally override `_check_spec()` to raise `ValueError` for specs it cannot handle
       (called after `supported_tags` is checked);
-    - leave the class variable `takes_solver` `False`, unless the block declares a field
-      `solver: lineax.AbstractLinearSolver | None` for its power `-1` (as the families `Full`
-      and `KroneckerFactored` do, see their docstrings): `BlockDiagonalCurvature(inverse_solver=)`
-      sets that field on the blocks whose class says `takes_solver = True`;
+    - leave the class variable `takes_solver` `False`: it is `True` for the blocks with a field
+      `solver: lineax.AbstractLinearSolver | None` for their power `-1`, the subclasses of
+      `AbstractKroneckerFormBlock` (the families `Full` and `KroneckerFactored`), on which
+      `BlockDiagonalCurvature(inverse_solver=)` sets that field;
     - implement the per-slice private methods listed in the module docstring of
       `eqx_kfac._curvature.blocks.base`. They see one ordinary layer: `vector`s are tuples shaped like
       `spec.param_shapes`, `EstimationData` fields have no stack axis, eigenvalues are flat
@@ -217,9 +223,10 @@ class CurvatureBlock(eqx.Module):
         return jax.vmap(fn)(*args)
 
     def _factorises_with_solver(self, power: Power) -> bool:
-        """Whether power `power` goes through a lineax solver's factorisations: power -1 of a
-        block that takes a solver (`takes_solver`) and has one set."""
-        return power == -1 and self.takes_solver and self.solver is not None
+        """Whether power `power` goes through a lineax solver's factorisations (default: never;
+        `AbstractKroneckerFormBlock` says so for power -1 when its `solver` is set)."""
+        del power
+        return False
 
     def _check_vector(self, vector: Sequence[Array]) -> tuple[Array, ...]:
         vector = tuple(vector)
@@ -542,6 +549,27 @@ class CurvatureBlock(eqx.Module):
         """
         layout = ReshapeLayout(self.spec.param_shapes, (self.slice_dim,))
         return KroneckerCurvatureOperator((self._to_dense(state),), identity_weight, layout)
+
+    def _damped_operator(
+        self, state: eqx.Module, identity_weight: ArrayLike
+    ) -> lx.AbstractLinearOperator:
+        """`C + λI` in the form the solvers take (`eqx_kfac.damped_block_operator`; default:
+        `as_linear_operator`)."""
+        return self.as_linear_operator(state, identity_weight)
+
+    def _solve(
+        self,
+        state: eqx.Module,
+        vector: tuple[Array, ...],
+        identity_weight: ArrayLike,
+        solver: lx.AbstractLinearSolver | None,
+    ) -> tuple[Array, ...]:
+        """`(C + λI)⁻¹ v` with a lineax solver (`eqx_kfac.solve_block`; default: `solver`, else
+        `lineax.AutoLinearSolver(well_posed=True)`, on `as_linear_operator`)."""
+        solver = lx.AutoLinearSolver(well_posed=True) if solver is None else solver
+        operator = self.as_linear_operator(state, identity_weight)
+        cast = tuple(v.astype(self.dtype) for v in vector)
+        return tuple(lx.linear_solve(operator, cast, solver).value)
 
     def _missing_cache(self, what: str, argument: str) -> ValueError:
         return ValueError(

@@ -4,8 +4,6 @@ import abc
 from typing import ClassVar
 
 import equinox as eqx
-import jax.numpy as jnp
-import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
@@ -25,12 +23,12 @@ from ._solver_cache import (
     zero_solver_state,
 )
 from .base import (
-    CurvatureBlock,
     flatten_vector,
     Power,
     unflatten_vector,
 )
 from .cache import EighCache, FactorCache, PowerCache
+from .kronecker_form import AbstractKroneckerFormBlock
 from .statistics import (
     outer_from_samples,
     WeightedMovingAverage,
@@ -53,7 +51,7 @@ class FullState(eqx.Module):
     cache: FactorCache
 
 
-class Full(CurvatureBlock):
+class Full(AbstractKroneckerFormBlock):
     """Approximates the curvature of a layer by a dense `(dim, dim)` matrix (abstract family).
 
     Exact and approximate powers coincide (there is nothing to approximate). Caching any power
@@ -82,9 +80,6 @@ class Full(CurvatureBlock):
     it from per-parameter samples).
     """
 
-    solver: lx.AbstractLinearSolver | None = eqx.field(static=True, default=None, kw_only=True)
-    takes_solver: ClassVar[bool] = True
-
     @abc.abstractmethod
     def _full_statistics(self, data: EstimationData, batch_size: ArrayLike) -> Array:
         """This batch's dense curvature (see the class docstring)."""
@@ -105,6 +100,13 @@ class Full(CurvatureBlock):
             solver_state=zero_solver_state(self.solver, (d,), self.dtype) if inverse else None,
         )
         return FullState(matrix=WeightedMovingAverage.zeros((d, d), self.dtype), cache=cache)
+
+    def _kronecker_factors(self, state: FullState) -> tuple[Array, ...]:
+        return (state.matrix.value,)
+
+    @property
+    def _operand_layout(self) -> ReshapeLayout:
+        return ReshapeLayout(self.spec.param_shapes, (self.slice_dim,))
 
     def _update(self, state, data, ema_old, ema_new, batch_size) -> FullState:
         stats = self._full_statistics(data, batch_size)

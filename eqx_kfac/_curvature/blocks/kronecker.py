@@ -5,7 +5,6 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
-import lineax as lx
 import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
@@ -33,11 +32,9 @@ from ._solver_cache import (
     solver_takes_inverse,
     zero_solver_state,
 )
-from .base import (
-    CurvatureBlock,
-    Power,
-)
+from .base import Power
 from .cache import EighCache, FactorCache, PowerCache
+from .kronecker_form import AbstractKroneckerFormBlock
 from .statistics import WeightedMovingAverage
 
 
@@ -57,7 +54,7 @@ class KroneckerState(eqx.Module):
     cache: FactorCache
 
 
-class KroneckerFactored(CurvatureBlock):
+class KroneckerFactored(AbstractKroneckerFormBlock):
     """Approximates the curvature by a Kronecker product `F_1 ⊗ ... ⊗ F_k` (abstract family).
 
     For the two-factor blocks, `A ⊗ G` with `A` the second moment of the layer inputs (with a 1
@@ -106,9 +103,6 @@ class KroneckerFactored(CurvatureBlock):
     - `_factor_statistics(data, batch_size) -> tuple[Array, ...]`: this batch's factors
       `(n_i, n_i)`, already normalised (they are averaged as they are).
     """
-
-    solver: lx.AbstractLinearSolver | None = eqx.field(static=True, default=None, kw_only=True)
-    takes_solver: ClassVar[bool] = True
 
     @property
     @abc.abstractmethod
@@ -166,8 +160,12 @@ class KroneckerFactored(CurvatureBlock):
             cache=state.cache,
         )
 
-    def _factor_values(self, state: KroneckerState) -> tuple[Array, ...]:
+    def _kronecker_factors(self, state: KroneckerState) -> tuple[Array, ...]:
         return tuple(f.value for f in state.factors)
+
+    @property
+    def _operand_layout(self) -> "KroneckerLayout":
+        return KroneckerLayout(self)
 
     def _update_cache(
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
@@ -175,7 +173,7 @@ class KroneckerFactored(CurvatureBlock):
         exact_powers, approx_powers, inverse = solver_takes_inverse(
             self.solver, exact_powers, approx_powers
         )
-        factors = self._factor_values(state)
+        factors = self._kronecker_factors(state)
         eigh = state.cache.eigh.refreshed(self, factors, exact_powers, eigenvalues)
         solver_state = state.cache.solver_state
         if inverse:
@@ -199,7 +197,7 @@ class KroneckerFactored(CurvatureBlock):
         use_cached: bool,
     ) -> tuple[Array, ...]:
         vector = tuple(v.astype(self.dtype) for v in vector)
-        factors = self._factor_values(state)
+        factors = self._kronecker_factors(state)
         if not exact_power and power != 1 and (power != -1 or self.solver is None):
             # One matrix per factor, applied on the arrangement that is cheapest to form.
             if use_cached:
@@ -229,14 +227,14 @@ class KroneckerFactored(CurvatureBlock):
         if use_cached:
             values = state.cache.eigh.values(self)
         else:
-            values = kronecker_eigh(self._factor_values(state)).eigenvalues
+            values = kronecker_eigh(self._kronecker_factors(state)).eigenvalues
         return kron_vectors(values)
 
     def _slice_operator(
         self, state: KroneckerState, identity_weight: ArrayLike
     ) -> KroneckerCurvatureOperator:
         return KroneckerCurvatureOperator(
-            self._factor_values(state), identity_weight, KroneckerLayout(self)
+            self._kronecker_factors(state), identity_weight, KroneckerLayout(self)
         )
 
     def _to_dense(self, state: KroneckerState) -> Array:

@@ -12,7 +12,8 @@ let the caller choose instead, with any `lineax.AbstractLinearSolver`:
 - `lineax.CG(rtol, atol)` and other iterative solvers: only matrix-vector products, which keep
   the Kronecker structure.
 
-Kronecker and full blocks are handed to the solver as `K + λ·I` with `K` a PSD-tagged
+Each block says how it is solved (its `_damped_operator` and `_solve`): Kronecker and full blocks
+(`AbstractKroneckerFormBlock`) are handed to the solver as `K + λ·I` with `K` a PSD-tagged
 `KroneckerOperator` (a full block is a Kronecker product with one factor) acting on the block's
 canonical array, which is what the Kronecker solvers recognise. Other blocks are solved through
 their `as_linear_operator(state, λ)`.
@@ -21,29 +22,13 @@ their `as_linear_operator(state, λ)`.
 from collections.abc import Sequence
 
 import equinox as eqx
-import jax
 import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
-from ..blocks import CurvatureBlock, Full, KroneckerFactored
-from ..blocks._solver_cache import damped_kronecker_operator, SolverChoice
-from ..blocks.base import flatten_vector, unflatten_vector
+from ..blocks import CurvatureBlock
+from ..blocks._solver_cache import SolverChoice
 from ..estimators.base import AbstractCurvatureEstimator, EstimatorState, per_block
-from .kronecker import KroneckerEigenSolver
-
-
-def _factors_and_maps(block: CurvatureBlock, state: eqx.Module):
-    """The Kronecker factors of one slice and the maps between parameters and operand."""
-    if isinstance(block, KroneckerFactored):
-        factors = tuple(f.value for f in state.factors)
-        return factors, block._params_to_array, block._array_to_params
-    factors = (state.matrix.value,)
-    return (
-        factors,
-        flatten_vector,
-        lambda flat: unflatten_vector(flat, block.spec.param_shapes),
-    )
 
 
 def damped_block_operator(
@@ -63,15 +48,7 @@ def damped_block_operator(
     PSD-tagged `KroneckerOperator` on the block's canonical array (the flat parameters for
     `Full`); for other blocks, `block.as_linear_operator(state, λ)` on the tuple of parameters.
     """
-    if isinstance(block, (Full, KroneckerFactored)):
-        if block.spec.stack_size is not None:
-            raise ValueError(
-                f"damped_block_operator: the {block.spec.describe} is stacked (applied in a "
-                "`scan`); its operator is per slice. Use `solve_block`, which handles stacks."
-            )
-        factors, _, _ = _factors_and_maps(block, state)
-        return damped_kronecker_operator(factors, identity_weight)
-    return block.as_linear_operator(state, identity_weight)
+    return block._damped_operator(state, identity_weight)
 
 
 def solve_block(
@@ -98,24 +75,7 @@ def solve_block(
     A tuple of arrays shaped like `vector`. A solver that fails (e.g. CG not converging) raises a
     run-time error, as `lineax.linear_solve` does.
     """
-    vector = block._check_vector(vector)
-    if not isinstance(block, (Full, KroneckerFactored)):
-        solver = lx.AutoLinearSolver(well_posed=True) if solver is None else solver
-        operator = block.as_linear_operator(state, identity_weight)
-        cast = tuple(v.astype(block.dtype) for v in vector)
-        return tuple(lx.linear_solve(operator, cast, solver).value)
-    if solver is None:
-        solver = KroneckerEigenSolver() if block.solver is None else block.solver
-
-    def one_slice(state: eqx.Module, vector: tuple[Array, ...]) -> tuple[Array, ...]:
-        factors, to_operand, from_operand = _factors_and_maps(block, state)
-        operand = to_operand(tuple(v.astype(block.dtype) for v in vector))
-        operator = damped_kronecker_operator(factors, identity_weight)
-        return tuple(from_operand(lx.linear_solve(operator, operand, solver).value))
-
-    if block.spec.stack_size is None:
-        return one_slice(state, vector)
-    return jax.vmap(one_slice)(state, vector)
+    return block._solve(state, block._check_vector(vector), identity_weight, solver)
 
 
 def solve(
