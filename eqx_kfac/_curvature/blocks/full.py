@@ -7,7 +7,7 @@ import equinox as eqx
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..operators.curvature import KroneckerCurvatureOperator, ReshapeLayout
+from ..operators.curvature import ReshapeLayout
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..operators.kronecker_powers import kronecker_damped_matpower, kronecker_eigh, pi_adjusted_inverse
 from ._layer_stats import (
@@ -18,7 +18,6 @@ from ._layer_stats import (
 )
 from ._solver_cache import (
     refreshed_solver_state,
-    solver_inverse,
     solver_takes_inverse,
     zero_solver_state,
 )
@@ -137,14 +136,12 @@ class Full(AbstractKroneckerFormBlock):
         use_cached: bool,
     ) -> tuple[Array, ...]:
         del exact_power
+        if power == -1 and self.solver is not None:
+            return self._solver_inverse(state, vector, identity_weight, use_cached)
         flat = flatten_vector(vector).astype(self.dtype)
         matrix = state.matrix.value
         if power == 1:
             result = matrix @ flat + identity_weight * flat
-        elif power == -1 and self.solver is not None:
-            result = solver_inverse(
-                self, state.cache.solver_state, (matrix,), flat, identity_weight, use_cached
-            )
         elif use_cached:
             eigh = state.cache.eigh.decomposition(self, f"power {power}")
             result = kronecker_damped_matpower(eigh, flat, identity_weight, power)
@@ -160,12 +157,6 @@ class Full(AbstractKroneckerFormBlock):
 
     def _to_dense(self, state: FullState) -> Array:
         return state.matrix.value
-
-    def _slice_operator(
-        self, state: FullState, identity_weight: ArrayLike
-    ) -> KroneckerCurvatureOperator:
-        layout = ReshapeLayout(self.spec.param_shapes, (self.slice_dim,))
-        return KroneckerCurvatureOperator((state.matrix.value,), identity_weight, layout)
 
 
 class NaiveFull(Full):

@@ -9,7 +9,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..operators.curvature import AbstractParameterLayout, KroneckerCurvatureOperator
+from ..operators.curvature import AbstractParameterLayout
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..operators.structured import (
     kron_vectors,
@@ -28,7 +28,6 @@ from ._layer_stats import (
 )
 from ._solver_cache import (
     refreshed_solver_state,
-    solver_inverse,
     solver_takes_inverse,
     zero_solver_state,
 )
@@ -196,32 +195,42 @@ class KroneckerFactored(AbstractKroneckerFormBlock):
         exact_power: bool,
         use_cached: bool,
     ) -> tuple[Array, ...]:
+        if power == -1 and self.solver is not None:
+            return self._solver_inverse(state, vector, identity_weight, use_cached)
         vector = tuple(v.astype(self.dtype) for v in vector)
         factors = self._kronecker_factors(state)
-        if not exact_power and power != 1 and (power != -1 or self.solver is None):
-            # One matrix per factor, applied on the arrangement that is cheapest to form.
-            if use_cached:
-                powered = state.cache.approx.get(self, power)
-            else:
-                powered = pi_adjusted_inverse(factors, identity_weight, float(power)).factors
-            array, axes = self._params_to_product_array(vector)
-            return self._product_array_to_params(apply_factors(powered, array, axes))
+        if not exact_power and power != 1:
+            return self._approximate_matpower(state, vector, identity_weight, power, use_cached)
         array = self._params_to_array(vector)
-        if power == -1 and self.solver is not None:
-            result = solver_inverse(
-                self, state.cache.solver_state, factors, array, identity_weight, use_cached
-            )
-        elif power == 1 and exact_power:
-            result = KroneckerOperator(factors).mv(array) + identity_weight * array
-        elif power == 1:
-            result = pi_adjusted_inverse(factors, identity_weight, 1.0).mv(array)
-        elif exact_power:
+        if power != 1:
             if use_cached:
                 eigh = state.cache.eigh.decomposition(self, f"exact power {power}")
             else:
                 eigh = kronecker_eigh(factors)
             result = kronecker_damped_matpower(eigh, array, identity_weight, power)
+        elif exact_power:
+            result = KroneckerOperator(factors).mv(array) + identity_weight * array
+        else:
+            result = pi_adjusted_inverse(factors, identity_weight, 1.0).mv(array)
         return self._array_to_params(result)
+
+    def _approximate_matpower(
+        self,
+        state: KroneckerState,
+        vector: tuple[Array, ...],
+        identity_weight: ArrayLike,
+        power: Power,
+        use_cached: bool,
+    ) -> tuple[Array, ...]:
+        """The pi-adjusted power (not 1): one matrix per factor, applied on the arrangement that
+        is cheapest to form."""
+        if use_cached:
+            powered = state.cache.approx.get(self, power)
+        else:
+            factors = self._kronecker_factors(state)
+            powered = pi_adjusted_inverse(factors, identity_weight, float(power)).factors
+        array, axes = self._params_to_product_array(vector)
+        return self._product_array_to_params(apply_factors(powered, array, axes))
 
     def _eigenvalues(self, state: KroneckerState, use_cached: bool) -> Array:
         if use_cached:
@@ -229,13 +238,6 @@ class KroneckerFactored(AbstractKroneckerFormBlock):
         else:
             values = kronecker_eigh(self._kronecker_factors(state)).eigenvalues
         return kron_vectors(values)
-
-    def _slice_operator(
-        self, state: KroneckerState, identity_weight: ArrayLike
-    ) -> KroneckerCurvatureOperator:
-        return KroneckerCurvatureOperator(
-            self._kronecker_factors(state), identity_weight, KroneckerLayout(self)
-        )
 
     def _to_dense(self, state: KroneckerState) -> Array:
         return self._slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()

@@ -15,9 +15,9 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..operators.curvature import AbstractParameterLayout
+from ..operators.curvature import AbstractParameterLayout, KroneckerCurvatureOperator
 from ..solvers.kronecker import KroneckerEigenSolver
-from ._solver_cache import damped_kronecker_operator
+from ._solver_cache import damped_kronecker_operator, solver_inverse
 from .base import CurvatureBlock, Power
 
 
@@ -32,7 +32,9 @@ class AbstractKroneckerFormBlock(CurvatureBlock):
 
     **Subclasses** implement `_kronecker_factors(state)` (the slice's factors, square PSD
     matrices) and the property `_operand_layout` (the `AbstractParameterLayout` between one
-    slice's parameters and the array the factors act on).
+    slice's parameters and the array the factors act on); their states keep the solver's cache
+    in `state.cache.solver_state` (a `FactorCache`). The slice operator (`as_linear_operator`)
+    and power `-1` with a `solver` are then shared.
     """
 
     solver: lx.AbstractLinearSolver | None = eqx.field(static=True, default=None, kw_only=True)
@@ -46,6 +48,28 @@ class AbstractKroneckerFormBlock(CurvatureBlock):
     @abc.abstractmethod
     def _operand_layout(self) -> AbstractParameterLayout:
         """The arrangement of one slice's parameters into the array the factors act on."""
+
+    def _slice_operator(
+        self, state: eqx.Module, identity_weight: ArrayLike
+    ) -> KroneckerCurvatureOperator:
+        return KroneckerCurvatureOperator(
+            self._kronecker_factors(state), identity_weight, self._operand_layout
+        )
+
+    def _solver_inverse(
+        self,
+        state: eqx.Module,
+        vector: tuple[Array, ...],
+        identity_weight: ArrayLike,
+        use_cached: bool,
+    ) -> tuple[Array, ...]:
+        """`(K + λI)⁻¹ v` for one slice with the block's `solver` (set), on the canonical array."""
+        layout = self._operand_layout
+        operand = layout.to_array(tuple(v.astype(self.dtype) for v in vector))
+        factors = self._kronecker_factors(state)
+        solver_state = state.cache.solver_state
+        result = solver_inverse(self, solver_state, factors, operand, identity_weight, use_cached)
+        return tuple(layout.from_array(result))
 
     def _factorises_with_solver(self, power: Power) -> bool:
         return power == -1 and self.solver is not None
