@@ -14,10 +14,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float
 
 from .._curvature.blocks import CurvatureBlock, DenseTwoKroneckerFactored, KroneckerLayout
-from .._curvature.blocks.base import power_key, Power
+from .._curvature.blocks.base import Power
+from .._curvature.blocks.cache import PowerCache
 from .._curvature.blocks.statistics import WeightedMovingAverage
 from .._curvature.operators.curvature import KroneckerCurvatureOperator
 from .._curvature.operators.kronecker_powers import (
@@ -30,9 +31,6 @@ from .._curvature.operators.structured import kron_vectors
 from .._tracing.layer_data import LayerSpec
 from .statistics import Approximation, check_approximation, factor_pairs
 from .tags import check_taylor_dense_spec, dense_view, TAG_NAME
-
-
-_INVERSE_KEY = f"approx {power_key(-1)}"
 
 
 class SimultaneousDiagonalisation(eqx.Module):
@@ -102,12 +100,12 @@ class KroneckerSumState(eqx.Module):
     **Fields:**
 
     - `factors`: one `(A_k, G_k)` pair of moving averages per point set.
-    - `cache`: under `"approx -1.0"`, the `SimultaneousDiagonalisation` of the damped inverse
-      (when the approximate power `-1` is cached).
+    - `cache`: the cached approximate powers: the `SimultaneousDiagonalisation` of the damped
+      inverse for power `-1` when it was declared (`approx_powers_to_cache=-1`), else nothing.
     """
 
     factors: tuple[tuple[WeightedMovingAverage, WeightedMovingAverage], ...]
-    cache: dict[str, PyTree[Array]]
+    cache: PowerCache
 
 
 class TaylorDenseKroneckerSum(CurvatureBlock):
@@ -177,10 +175,10 @@ class TaylorDenseKroneckerSum(CurvatureBlock):
         n_a, n_g = self._dense.factor_dims
         zeros = lambda n: WeightedMovingAverage.zeros((n, n), self.dtype)  # noqa: E731
         factors = tuple((zeros(n_a), zeros(n_g)) for _ in self.spec.input_shapes)
-        cache = {}
-        if approx_powers:
-            pairs = tuple((jnp.eye(n_a, dtype=self.dtype), jnp.eye(n_g, dtype=self.dtype)) for _ in factors)
-            cache[_INVERSE_KEY] = damped_inverse(pairs, 1.0)
+        identities = tuple(
+            (jnp.eye(n_a, dtype=self.dtype), jnp.eye(n_g, dtype=self.dtype)) for _ in factors
+        )
+        cache = PowerCache.zeros(approx_powers, lambda: damped_inverse(identities, 1.0))
         return KroneckerSumState(factors=factors, cache=cache)
 
     def _update(self, state, data, ema_old, ema_new, batch_size) -> KroneckerSumState:
@@ -197,14 +195,15 @@ class TaylorDenseKroneckerSum(CurvatureBlock):
     def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues) -> KroneckerSumState:
         if exact_powers or eigenvalues or set(approx_powers) - {-1.0}:
             raise self._unavailable(f"cache for exact powers {exact_powers} or approximate powers {approx_powers}")
-        if not approx_powers:
-            return state
-        self._require_cache(state.cache, _INVERSE_KEY, "approximate power -1", "approx_powers_to_cache")
-        new = damped_inverse(self._pairs(state), identity_weight)
-        # A factorisation that broke down keeps the previous inverse (as Kronecker blocks do).
-        finite = new.is_finite()
-        kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state.cache[_INVERSE_KEY])
-        return KroneckerSumState(factors=state.factors, cache={**state.cache, _INVERSE_KEY: kept})
+
+        def inverse(power: float, previous: SimultaneousDiagonalisation) -> SimultaneousDiagonalisation:
+            new = damped_inverse(self._pairs(state), identity_weight)
+            # A factorisation that broke down keeps the previous inverse (as Kronecker blocks do).
+            finite = new.is_finite()
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, previous)
+
+        cache = state.cache.refreshed(self, approx_powers, inverse)
+        return KroneckerSumState(factors=state.factors, cache=cache)
 
     def _multiply_matpower(
         self,
@@ -225,8 +224,7 @@ class TaylorDenseKroneckerSum(CurvatureBlock):
             result = result + identity_weight * array if exact_power else result
         elif power == -1 and not exact_power:
             if use_cached:
-                self._require_cache(state.cache, _INVERSE_KEY, "approximate power -1", "approx_powers_to_cache")
-                inverse = state.cache[_INVERSE_KEY]
+                inverse = state.cache.get(self, power)
             else:
                 inverse = damped_inverse(pairs, identity_weight)
             result = inverse.solve(array)

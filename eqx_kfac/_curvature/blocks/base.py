@@ -80,20 +80,6 @@ def normalize_powers(powers: PowersLike) -> tuple[float, ...]:
     return tuple(sorted({float(p) for p in powers}))
 
 
-def power_key(power: Power) -> str:
-    """The string under which a block caches something for the matrix power `power`.
-
-    **Arguments:**
-
-    - `power`: a real number.
-
-    **Returns:**
-
-    A string such as `"-1.0"`, identical for equal powers (`-1` and `-1.0` give the same key).
-    """
-    return repr(float(power))
-
-
 def _fits(cls: type, tag: str) -> bool:
     return cls.supported_tags is None or tag in cls.supported_tags
 
@@ -577,8 +563,3 @@ class CurvatureBlock(eqx.Module):
             f"to `init(..., {argument}=...)` and call `update_cache` before using "
             "`use_cached=True`."
         )
-
-    def _require_cache(self, cache: dict[str, Any], key: str, what: str, argument: str) -> None:
-        """Raises `_missing_cache(what, argument)` unless `key` was declared in the cache."""
-        if key not in cache:
-            raise self._missing_cache(what, argument)
