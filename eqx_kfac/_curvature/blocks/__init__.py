@@ -6,6 +6,7 @@ from .base import (
 )
 from .statistics import WeightedMovingAverage as WeightedMovingAverage
 from .diagonal import (
+    Conv2DDiagonal as Conv2DDiagonal,
     DenseDiagonal as DenseDiagonal,
     Diagonal as Diagonal,
     DiagonalState as DiagonalState,
@@ -13,6 +14,7 @@ from .diagonal import (
     ScaleAndShiftDiagonal as ScaleAndShiftDiagonal,
 )
 from .full import (
+    Conv2DFull as Conv2DFull,
     DenseFull as DenseFull,
     Full as Full,
     FullState as FullState,
@@ -21,15 +23,14 @@ from .full import (
 )
 from .identity import ScaledIdentity as ScaledIdentity, ScaledIdentityState as ScaledIdentityState
 from .kronecker import (
+    Conv2DTwoKroneckerFactored as Conv2DTwoKroneckerFactored,
     DenseTwoKroneckerFactored as DenseTwoKroneckerFactored,
+    DenseTwoKroneckerFactoredReduce as DenseTwoKroneckerFactoredReduce,
+    EmbeddingKroneckerFactored as EmbeddingKroneckerFactored,
+    EmbeddingState as EmbeddingState,
     KroneckerFactored as KroneckerFactored,
     KroneckerLayout as KroneckerLayout,
     KroneckerState as KroneckerState,
-)
-from .conv2d import (
-    Conv2DDiagonal as Conv2DDiagonal,
-    Conv2DFull as Conv2DFull,
-    Conv2DTwoKroneckerFactored as Conv2DTwoKroneckerFactored,
 )
 from .eigenbasis import (
     AbstractEigenbasisKFAC as AbstractEigenbasisKFAC,
@@ -37,5 +38,3 @@ from .eigenbasis import (
     DenseEigenbasisKFAC as DenseEigenbasisKFAC,
     EigenbasisState as EigenbasisState,
 )
-from .embedding import EmbeddingKroneckerFactored as EmbeddingKroneckerFactored, EmbeddingState as EmbeddingState
-from .reduce import DenseTwoKroneckerFactoredReduce as DenseTwoKroneckerFactoredReduce

@@ -21,6 +21,7 @@ from .base import (
     CurvatureBlock,
     flatten_vector,
 )
+from .conv_statistics import check_conv_spec, conv_gradient_samples
 from .statistics import (
     squares_from_samples,
     WeightedMovingAverage,
@@ -173,3 +174,25 @@ class ScaleAndShiftDiagonal(Diagonal):
         return squares_from_samples(
             scale_and_shift_gradient_samples(self.spec, data), batch_size, self.dtype
         )
+
+
+class Conv2DDiagonal(Diagonal):
+    """Exact diagonal of the per-example (Fisher / GGN) curvature of a conv layer (final).
+
+    `diag = Σ_v Σ_b g_vb² / B` with the per-example kernel (and bias) gradients `g_vb` of
+    `conv_gradient_samples`. Handles every layout, stride, padding, dilation and grouped or
+    depthwise convolution. Cost: `O(dim)` memory; time of `V · B` per-example kernel gradients.
+
+    **Fields:**
+
+    - `spec`: the layer's `LayerSpec` (static).
+    """
+
+    spec: LayerSpec = eqx.field(static=True)
+    supported_tags: ClassVar[frozenset[str] | None] = frozenset({"conv2d"})
+
+    def _check_spec(self) -> None:
+        check_conv_spec(self)
+
+    def _diagonal_statistics(self, data, batch_size) -> tuple[Array, ...]:
+        return squares_from_samples(conv_gradient_samples(self.spec, data), batch_size, self.dtype)

@@ -26,8 +26,13 @@ from ..operators.structured import KroneckerOperator
 from ._layer_stats import dense_gradient_samples, dense_layout
 from .base import CurvatureBlock
 from .statistics import WeightedMovingAverage
-from .conv2d import Conv2DTwoKroneckerFactored, conv_gradient_samples
-from .kronecker import DenseTwoKroneckerFactored, KroneckerFactored, KroneckerLayout
+from .conv_statistics import conv_gradient_samples
+from .kronecker import (
+    Conv2DTwoKroneckerFactored,
+    DenseTwoKroneckerFactored,
+    KroneckerFactored,
+    KroneckerLayout,
+)
 
 
 class EigenbasisState(eqx.Module):

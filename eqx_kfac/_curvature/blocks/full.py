@@ -27,6 +27,7 @@ from .base import (
     unflatten_vector,
 )
 from .cache import EighCache, FactorCache, PowerCache
+from .conv_statistics import check_conv_spec, conv_gradient_samples
 from .kronecker_form import AbstractKroneckerFormBlock
 from .statistics import (
     outer_from_samples,
@@ -222,3 +223,26 @@ class ScaleAndShiftFull(Full):
         return outer_from_samples(
             scale_and_shift_gradient_samples(self.spec, data), batch_size, self.dtype
         )
+
+
+class Conv2DFull(Full):
+    """Exact (per-example) curvature block of a conv layer, kernel and bias together (final).
+
+    `C = Σ_v Σ_b vec(g_vb) vec(g_vb)ᵀ / B` with the per-example gradients of
+    `conv_gradient_samples` (kernel flattened row-major in its own layout, then the bias).
+    Handles every setting `Conv2DDiagonal` does. Cost: `O(dim²)` memory, `O(dim³)` per
+    factorisation.
+
+    **Fields:**
+
+    - `spec`: the layer's `LayerSpec` (static).
+    """
+
+    spec: LayerSpec = eqx.field(static=True)
+    supported_tags: ClassVar[frozenset[str] | None] = frozenset({"conv2d"})
+
+    def _check_spec(self) -> None:
+        check_conv_spec(self)
+
+    def _full_statistics(self, data, batch_size) -> Array:
+        return outer_from_samples(conv_gradient_samples(self.spec, data), batch_size, self.dtype)

@@ -11,6 +11,7 @@ from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray
 
 from ..blocks import (
+    Conv2DTwoKroneckerFactored,
     CurvatureBlock,
     DenseTwoKroneckerFactored,
     EmbeddingKroneckerFactored,
@@ -18,7 +19,6 @@ from ..blocks import (
     ScaleAndShiftDiagonal,
 )
 from ..blocks._solver_cache import check_solver_choice, SolverChoice
-from ..blocks.conv2d import Conv2DTwoKroneckerFactored
 from ..._tracing.graph_matcher import auto_register_tags as _auto_register_tags
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..._tracing.tracer import layer_tags_vjp, trace

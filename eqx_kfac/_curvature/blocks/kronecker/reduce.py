@@ -8,9 +8,10 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..._tracing.layer_data import EstimationData, LayerSpec
-from ._layer_stats import check_dense_spec, dense_layout
-from .kronecker import DenseTwoKroneckerFactored, KroneckerFactored
+from ...._tracing.layer_data import EstimationData, LayerSpec
+from .._layer_stats import check_dense_spec, dense_layout
+from .dense import DenseTwoKroneckerFactored
+from .factored import KroneckerFactored
 
 
 class DenseTwoKroneckerFactoredReduce(KroneckerFactored):

@@ -8,16 +8,16 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..operators.curvature import (
+from ...operators.curvature import (
     EigenbasisCurvatureOperator,
     KroneckerCurvatureOperator,
     ReshapeLayout,
 )
-from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..operators.kronecker_powers import kronecker_eigh
-from .base import CurvatureBlock, Power
-from .cache import EighCache, FactorCache, PowerCache
-from .statistics import WeightedMovingAverage
+from ...._tracing.layer_data import EstimationData, LayerSpec
+from ...operators.kronecker_powers import kronecker_eigh
+from ..base import CurvatureBlock, Power
+from ..cache import EighCache, FactorCache, PowerCache
+from ..statistics import WeightedMovingAverage
 
 
 class EmbeddingState(eqx.Module):
