@@ -1,6 +1,8 @@
 """Curvature blocks against closed forms on random statistics (their algebraic laws, for every
 built-in block, are checked by `eqx_kfac.testing.check_block` in `test_testing_kit.py`)."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,7 @@ from eqx_kfac import (
     ScaleAndShiftFull,
     WeightedMovingAverage,
 )
-from eqx_kfac.testing import block_state
+from eqx_kfac.testing import block_state, dense_spec
 
 RTOL = 1e-8
 
@@ -180,3 +182,17 @@ def test_kronecker_is_an_extension_point():
     assert issubclass(DenseTwoKroneckerFactored, KroneckerFactored)
     with pytest.raises(TypeError):
         KroneckerFactored(dense_spec(2, 2))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(meta=(("has_bias", True), ("weight_layout", "rows"))), "weight_layout must be 'in_out' or 'out_in', got 'rows'"),
+        (dict(param_shapes=((3,), (2,))), r"expected a weight and a bias, got parameter shapes \(\(3,\), \(2,\)\)"),
+        (dict(input_shapes=()), "expected one input and one output"),
+    ],
+)
+def test_a_malformed_dense_spec_is_refused_with_what_is_wrong(change, message):
+    spec = dataclasses.replace(dense_spec(3, 2), **change)
+    with pytest.raises(ValueError, match=rf"DenseTwoKroneckerFactored cannot handle the dense layer .*{message}"):
+        DenseTwoKroneckerFactored(spec)

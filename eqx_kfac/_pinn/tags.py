@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._curvature.blocks._layer_stats import dense_layout
+from .._curvature.blocks._layer_stats import dense_layout, dense_parameters_problem
 from .._curvature.blocks.base import CurvatureBlock
 from .._tracing.layer_data import LayerSpec
 from .._tracing.tags import LayerTag
@@ -108,16 +108,10 @@ def check_taylor_dense_spec(block: CurvatureBlock) -> None:
     - `block`: the block being constructed (for the error message).
     """
     spec = block.spec
-    layout = spec.get("weight_layout")
-    has_bias = bool(spec.get("has_bias", len(spec.param_shapes) == 2))
-    problem = None
-    if layout not in ("in_out", "out_in"):
-        problem = f"weight_layout must be 'in_out' or 'out_in', got {layout!r}"
-    elif len(spec.param_shapes) != 1 + has_bias or len(spec.param_shapes[0]) != 2:
-        problem = f"expected a 2-D weight{' and a bias' if has_bias else ''}, got parameter shapes {spec.param_shapes}"
-    elif not spec.input_shapes or len(spec.input_shapes) != len(spec.output_shapes):
+    problem = dense_parameters_problem(spec, two_dimensional=True)
+    if problem is None and (not spec.input_shapes or len(spec.input_shapes) != len(spec.output_shapes)):
         problem = "expected one input and one output per point set"
-    else:
+    elif problem is None:
         _, _, n_in, n_out = dense_layout(spec)
         for x, y in zip(spec.input_shapes, spec.output_shapes):
             if len(x) != 3 or x[-1] != n_in or tuple(y) != (*x[:2], n_out):

@@ -12,6 +12,21 @@ from .base import CurvatureBlock
 from .statistics import sum_to_shape
 
 
+def dense_parameters_problem(spec: LayerSpec, two_dimensional: bool) -> str | None:
+    """What is wrong with a dense-like layer's weight layout and parameters (`None`: nothing):
+    a layout other than `"in_out"`/`"out_in"`, or parameters other than a weight (2-D when
+    `two_dimensional`, else at least 2-D) and, when `has_bias`, a bias."""
+    layout = spec.get("weight_layout")
+    has_bias = bool(spec.get("has_bias", len(spec.param_shapes) == 2))
+    if layout not in ("in_out", "out_in"):
+        return f"weight_layout must be 'in_out' or 'out_in', got {layout!r}"
+    weight_dims = len(spec.param_shapes[0]) if spec.param_shapes else 0
+    if len(spec.param_shapes) != 1 + has_bias or weight_dims < 2 or (two_dimensional and weight_dims != 2):
+        weight = "a 2-D weight" if two_dimensional else "a weight"
+        return f"expected {weight}{' and a bias' if has_bias else ''}, got parameter shapes {spec.param_shapes}"
+    return None
+
+
 def check_dense_spec(block: CurvatureBlock) -> None:
     """Raises `ValueError` unless `block.spec` is a well-formed dense layer.
 
@@ -20,16 +35,10 @@ def check_dense_spec(block: CurvatureBlock) -> None:
     - `block`: the block being constructed (for the error message).
     """
     spec = block.spec
-    layout = spec.get("weight_layout")
-    has_bias = bool(spec.get("has_bias", len(spec.param_shapes) == 2))
-    problem = None
-    if layout not in ("in_out", "out_in"):
-        problem = f"weight_layout must be 'in_out' or 'out_in', got {layout!r}"
-    elif len(spec.param_shapes) != 1 + has_bias or len(spec.param_shapes[0]) < 2:
-        problem = f"expected a weight{' and a bias' if has_bias else ''}, got parameter shapes {spec.param_shapes}"
-    elif len(spec.input_shapes) != 1 or len(spec.output_shapes) != 1:
+    problem = dense_parameters_problem(spec, two_dimensional=False)
+    if problem is None and (len(spec.input_shapes) != 1 or len(spec.output_shapes) != 1):
         problem = "expected one input and one output"
-    elif len(spec.param_shapes[0]) > 2 and not _fits_flattened(spec):
+    elif problem is None and len(spec.param_shapes[0]) > 2 and not _fits_flattened(spec):
         problem = (
             f"an n-d weight must be (*in, *out) (layout 'in_out') with the input's and output's "
             f"features flattened, got parameter shapes {spec.param_shapes} for input "
