@@ -1,4 +1,5 @@
-"""Multi-device execution: the `shard_map` step equals the single-device step on the global batch.
+"""Multi-device execution: the `shard_map` step equals the single-device step on the global batch
+(the mesh and block-assignment helpers of `eqx_kfac._core.distributed` are tested on purpose).
 
 Run with the 4 host CPU devices of conftest. Also run as a script (`python test_distributed.py
 worker ...`) by the multi-host test: two processes with two CPU devices each, a localhost

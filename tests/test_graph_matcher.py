@@ -1,4 +1,5 @@
-"""Automatic layer registration: the tagged jaxpr registers exactly what a hand-registered twin does.
+"""Automatic layer registration: the tagged jaxpr registers exactly what a hand-registered twin does
+(internal on purpose: `layer_tag_of` and the tags' primitives identify what was registered).
 
 Registrations are read off the traced jaxpr by a small independent walker (below) that follows
 parameter variables into `jit`, `checkpoint`, custom-derivative and `scan` bodies, so a tag inside a

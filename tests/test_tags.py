@@ -1,4 +1,5 @@
-"""Tag primitives: identity at run time under every transformation, visible in jaxprs, shape checks."""
+"""Tag primitives: identity at run time under every transformation, visible in jaxprs, shape checks
+(internal on purpose: the primitives under the public `register_*` functions)."""
 
 import functools as ft
 

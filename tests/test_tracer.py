@@ -1,4 +1,5 @@
-"""The jaxpr interpreter and the tracer, against plain JAX references on small models."""
+"""The jaxpr interpreter and the tracer, against plain JAX references on small models (internal on
+purpose: `eval_jaxpr`, its hooks and the cached `trace` are what every estimator is built on)."""
 
 import equinox as eqx
 import jax
