@@ -119,7 +119,7 @@ def run_one(model: str, form: str, seed: int, steps: int, faults: bool, learning
 
 
 def _fmt(x: float) -> str:
-    return f"{x:.3g}"
+    return "-" if np.isnan(x) else f"{x:.3g}"
 
 
 def table(outcomes: Sequence[Outcome], adam: dict[tuple[str, bool], float]) -> str:
@@ -131,9 +131,13 @@ def table(outcomes: Sequence[Outcome], adam: dict[tuple[str, bool], float]) -> s
     ]
     for o in outcomes:
         base = adam[(o.model, o.faults)]
+        # `kfac_optax` reports no per-step statistics: its coefficients are fixed, and its
+        # skipped updates are not counted (20 in a row would have stopped the run).
+        reported = not np.isnan(o.damping[0])
+        not_applied = f"{o.not_applied} ({o.skipped} + {o.rejected})" if reported else "-"
         rows.append(
             f"| {o.model} | {'x1e10, x1e30' if o.faults else 'none'} | {o.form} | {o.seed} | "
-            f"{_fmt(o.final)} | {_fmt(base)} | {o.not_applied} ({o.skipped} + {o.rejected}) | "
+            f"{_fmt(o.final)} | {_fmt(base)} | {not_applied} | "
             f"{_fmt(o.damping[0])}–{_fmt(o.damping[1])} | {_fmt(o.max_learning_rate)} | "
             f"{_fmt(o.momentum[0])}–{_fmt(o.momentum[1])} | {'yes' if o.passes(base) else '**no**'} |"
         )
