@@ -62,7 +62,7 @@ from .graph_patterns import (
     default_parameters,
     GraphPattern as GraphPattern,
 )
-from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr
+from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, scan_consts_and_carry
 from .liveness import inner_jaxpr, LiveTable, liveness
 from .pattern_matching import JaxprGraph, PatternMatcher, pattern_graphs, is_transparent
 from .layer_registration import bind_dense, register_conv2d, register_embedding, register_scale_and_shift
@@ -148,8 +148,8 @@ def _child(eqn: JaxprEqn, refs: dict[Var, _Ref]) -> tuple[Jaxpr, dict[Var, _Ref]
     if inner is None:
         return None
     scan = eqn.primitive.name == "scan"
-    consts = eqn.params["num_consts"] if scan else 0
-    carries = range(consts, consts + eqn.params["num_carry"]) if scan else range(0)
+    consts, n_carry = scan_consts_and_carry(eqn) if scan else (0, 0)
+    carries = range(consts, consts + n_carry)
     inner_refs, reused = {}, []
     for i, v in enumerate(eqn.invars):
         if not isinstance(v, Var) or v not in refs:

@@ -134,6 +134,15 @@ def subjaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
                 yield v
 
 
+def scan_consts_and_carry(eqn: JaxprEqn) -> tuple[int, int]:
+    """The numbers of consts and of carries among a `scan` equation's invars (the rest are its xs)."""
+    if "num_consts" in eqn.params:  # JAX 0.10 and older
+        return eqn.params["num_consts"], eqn.params["num_carry"]
+    # JAX 0.11 (jax-ml/jax 08958bd) groups the invars as a FlatTree `ft_in` of (consts, carry, xs).
+    consts, carry, _ = eqn.params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 _STATE = threading.local()
 
 
@@ -252,7 +261,7 @@ def _eval_sub(sub: ClosedJaxpr | Jaxpr, invals: list[Any], hook: JaxprHook) -> l
 def _eval_scan(eqn: JaxprEqn, invals: list[Any], hook: JaxprHook) -> list[Any]:
     params = eqn.params
     body: ClosedJaxpr = params["jaxpr"]
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    n_consts, n_carry = scan_consts_and_carry(eqn)
     consts, init, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
     extra_xs = hook.enter_scan(eqn)
     path = current_path()

@@ -18,7 +18,7 @@ from jax.interpreters import partial_eval as pe
 from jaxtyping import Array, PyTree
 
 from .derivative_rules import registers_inside_rules, through_derivative_rules
-from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, iter_eqns, subjaxprs
+from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, iter_eqns, scan_consts_and_carry, subjaxprs
 from .layer_data import LayerSpec
 from .liveness import live_paths, liveness
 from .tags import LayerTag, is_layer_tag_eqn, is_loss_tag_eqn, layer_tag_of, loss_tag
@@ -330,7 +330,7 @@ def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str], live: fr
                 walk(sub, _bind_sources(sub.invars, srcs), here, scans)
             elif name == "scan":
                 body = eqn.params["jaxpr"].jaxpr
-                n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+                n_consts, n_carry = scan_consts_and_carry(eqn)
                 # Consts are the same on every iteration; xs are sliced (one more scan level).
                 inner = srcs[:n_consts] + [None] * n_carry + [
                     None if s is None else (s[0], s[1] + 1) for s in srcs[n_consts + n_carry :]
