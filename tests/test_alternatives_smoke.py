@@ -28,8 +28,6 @@ from benchmarks.harness import (
 )
 from benchmarks.model_zoo.tanh_mlp import TanhMLP, classifier_loss
 
-# One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
-pytestmark = pytest.mark.xdist_group("test_alternatives_smoke")
 
 STEPS = 4
 

@@ -34,8 +34,6 @@ from benchmarks.harness import (
 from benchmarks.harness.progress import Progress
 from benchmarks.model_zoo import tanh_mlp
 
-# One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
-pytestmark = pytest.mark.xdist_group("test_benchmarks_smoke")
 
 STEPS = 8
 

@@ -6,9 +6,6 @@ import pytest
 
 from doc_pages import DOCS, run_page
 
-# One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
-pytestmark = pytest.mark.xdist_group("test_docs_flax_haiku")
-
 
 @pytest.fixture(scope="module")
 def page():

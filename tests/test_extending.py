@@ -8,9 +8,6 @@ import eqx_kfac
 
 from doc_pages import run_page
 
-# One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
-pytestmark = pytest.mark.xdist_group("test_extending")
-
 
 @pytest.fixture(scope="module")
 def page():

@@ -8,9 +8,6 @@ from models import mlp_classification
 
 from eqx_kfac import Optimizer
 
-# One worker runs the whole module, so its module-scoped fixture is built once (`--dist loadgroup`).
-pytestmark = pytest.mark.xdist_group("test_optimizer_errors")
-
 
 PROBLEM = mlp_classification(jax.random.key(0))
 BATCH = PROBLEM.batch

@@ -17,7 +17,6 @@ from models import mlp_classification
 
 import eqx_kfac
 
-pytestmark = pytest.mark.xdist_group("test_stability")
 
 PROBLEM = mlp_classification(jax.random.key(0), sizes=(3, 6, 3), batch=8)
 BATCH = PROBLEM.batch
