@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU measurements of one device lease, in one call, most wanted first, within a deadline.
+#
+#     OUT=benchmarks/results/device bash benchmarks/device_check.sh 500
+#
+# Runs, each stopped at the deadline's remaining seconds: the MNIST CNN and the diffusion Mixer
+# of benchmarks/examples.py (issue 27's step-ratio targets), the U-Net's first calls, the other
+# four examples, then benchmarks/step_time.py without the peer (kfac-jax is not installed there).
+# Writes $OUT/log.txt (everything printed), $OUT/examples.md (each example's tables, appended as
+# it finishes). Argument: the deadline in seconds (default 500).
+set -u
+deadline=$(( $(date +%s) + ${1:-500} ))
+OUT=${OUT:-benchmarks/results/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+log=$OUT/log.txt
+scratch=$(mktemp -d)
+
+left() { echo $(( deadline - $(date +%s) )); }
+
+timed() {  # timed NAME COMMAND...: runs COMMAND within the deadline, logging its output.
+    local name=$1; shift
+    local seconds; seconds=$(left)
+    if (( seconds < 20 )); then echo "== $name: skipped, ${seconds} s left" | tee -a "$log"; return; fi
+    echo "== $name (at most ${seconds} s)" | tee -a "$log"
+    local start; start=$(date +%s)
+    timeout "$seconds" "$@" 2>&1 | tee -a "$log"
+    echo "== $name: code ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$log"
+}
+
+python3 -c "import jax, equinox, eqx_kfac; print('jax', jax.__version__, 'equinox', equinox.__version__, jax.devices())" 2>&1 | tee "$log"
+nvidia-smi -L 2>&1 | tee -a "$log"
+for name in mnist_cnn diffusion_mixer; do
+    timed "$name" python3 benchmarks/examples.py --examples "$name" --save "$scratch/$name.md"
+    [[ -f $scratch/$name.md ]] && cat "$scratch/$name.md" >> "$OUT/examples.md"
+done
+timed unet python3 benchmarks/examples.py --examples --unet --unet-timeout 60 --save "$scratch/unet.md"
+[[ -f $scratch/unet.md ]] && cat "$scratch/unet.md" >> "$OUT/examples.md"
+for name in rnn stateful frozen_layer vit; do
+    timed "$name" python3 benchmarks/examples.py --examples "$name" --save "$scratch/$name.md"
+    [[ -f $scratch/$name.md ]] && cat "$scratch/$name.md" >> "$OUT/examples.md"
+done
+timed step_time python3 benchmarks/step_time.py --rounds 5 --breakdown-repeats 3
+echo "done, $(left) s left" | tee -a "$log"
