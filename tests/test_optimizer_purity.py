@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from models import mlp_classification
 
 from eqx_kfac import Optimizer
@@ -23,11 +24,15 @@ def _counting_loss(params, batch):
     return PROBLEM.loss_fn(params, batch)
 
 
-# Adaptive everything, with cached inverses and burn-in: every state field moves.
-OPT = Optimizer(eqx.filter_value_and_grad(_counting_loss), l2_reg=1e-3,
-                use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-                use_adaptive_damping=True, initial_damping=1.0, damping_adaptation_interval=2,
-                inverse_update_period=2, num_burnin_steps=2)
+def _optimizer(**kwargs):
+    # Adaptive everything, with cached inverses and burn-in: every state field moves.
+    return Optimizer(eqx.filter_value_and_grad(_counting_loss), l2_reg=1e-3,
+                     use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                     use_adaptive_damping=True, initial_damping=1.0, damping_adaptation_interval=2,
+                     inverse_update_period=2, num_burnin_steps=2, **kwargs)
+
+
+OPT = _optimizer()
 
 
 def _run(params, state, keys, batches=None):
@@ -63,6 +68,21 @@ def test_step_inside_user_jit_equals_direct_call_and_compiles_once():
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=1e-15)
     assert int(state.step_counter) == 3
 
+
+
+def test_compiler_options_reach_the_directly_called_step_only():
+    """`compiler_options` go to XLA with the step `step` compiles (XLA rejects an unknown name), and
+    a user's own jit compiles with its own: the option is then ignored. The default's option is
+    for GPUs: on this CPU the steps equal those of XLA's defaults."""
+    bogus = _optimizer(compiler_options={"xla_no_such_option_of_eqx_kfac": True})
+    state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
+    key = jax.random.key(1)
+    with pytest.raises(Exception, match="xla_no_such_option_of_eqx_kfac"):
+        bogus.step(PROBLEM.params, state0, key, batch=BATCH)
+    inside = eqx.filter_jit(lambda p, s: bogus.step(p, s, key, batch=BATCH))(PROBLEM.params, state0)
+    xla_defaults = _optimizer(compiler_options=None)
+    _assert_trees_equal(inside, xla_defaults.step(PROBLEM.params, state0, key, batch=BATCH))
+    _assert_trees_equal(OPT.step(PROBLEM.params, state0, key, batch=BATCH), inside)
 
 def test_checkpoint_resume_is_bit_identical():
     keys = [jax.random.key(i) for i in range(4)]

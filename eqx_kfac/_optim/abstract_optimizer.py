@@ -32,6 +32,7 @@ class AbstractOptimizer(eqx.Module):
       step runs (see the "Multi-device" page).
     - `include_norms_in_stats`, `include_per_param_norms_in_stats`: the norms in `stats`.
     - `donated`: the positions of the step's arguments whose buffers are donated.
+    - `compiler_options`: the XLA compiler options of the compiled step, as sorted pairs.
     """
 
     function: eqx.AbstractVar[ValueFunction]
@@ -48,6 +49,7 @@ class AbstractOptimizer(eqx.Module):
     include_norms_in_stats: eqx.AbstractVar[bool]
     include_per_param_norms_in_stats: eqx.AbstractVar[bool]
     donated: eqx.AbstractVar[tuple[int, ...]]
+    compiler_options: eqx.AbstractVar[tuple[tuple[str, Any], ...]]
 
     @property
     def axis_name(self) -> str | None:

@@ -9,18 +9,36 @@ donates the argument buffers the optimizer was told to donate (kfac-jax's
 donated argument's buffers are reused for the step's outputs, which saves a copy of the
 parameters and of the whole optimizer state (curvature factors and cached inverses) per step, but
 the caller's arrays are deleted: only donate what you replace with the step's outputs.
+
+Each entry point is compiled with the optimizer's `compiler_options` (`jax.jit`'s). The default
+turns off XLA's Triton GEMM kernels, a GPU option that XLA's other backends ignore: on an H100
+their autotuning was most of the K-FAC step's compilation (the MNIST CNN example's K-FAC compile
+24.3 s with them, 4.8 s without, through `XLA_FLAGS`; docs/examples.md).
 """
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
 
 from .._core import distributed as _distributed
 from .abstract_optimizer import AbstractOptimizer
 from .optimizer_state import OptimizerState
 from .optimizer_step import burnin_update, step_body
+
+
+# The compiler options `Optimizer` passes by default (see the module docstring).
+DEFAULT_COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_enable_triton_gemm": False})
+
+
+@functools.cache
+def _jit(fn: Callable[..., Any], donate: str, options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    """`eqx.filter_jit(fn)` with these buffers donated and these XLA compiler options (one
+    wrapper per combination, so that Equinox's cache of compiled programs is reused)."""
+    return eqx.filter_jit(fn, donate=donate, compiler_options=dict(options) or None)
 
 
 # --- multi-device: the `shard_map` step, the sharded (SPMD) step and its initial state ---------
@@ -77,12 +95,10 @@ def initial_state(
 # --- the compiled step ----------------------------------------------------------------------
 
 
-@eqx.filter_jit
 def _jitted_step(optimizer, args, burnin_in_graph, calibrating):
     return _maybe_sharded(optimizer, step_body, *args, burnin_in_graph, calibrating)
 
 
-@eqx.filter_jit(donate="all-except-first")
 def _jitted_donating_step(kept, donated, optimizer, burnin_in_graph):
     # `filter_jit` donates every array argument but the first: the kept arguments travel there.
     args = tuple(d if k is None else k for k, d in zip(kept, donated))
@@ -109,14 +125,24 @@ def compiled_step(
 
     The step's outputs.
     """
+    # JAX takes compiler options on an outermost `jit` only: inside a user's, the user's apply.
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args))
+    options = () if traced else optimizer.compiler_options
     if calibrating or not optimizer.donated:
-        return _jitted_step(optimizer, args, burnin_in_graph, calibrating)
+        return _jit(_jitted_step, "none", options)(optimizer, args, burnin_in_graph, calibrating)
     kept = tuple(None if i in optimizer.donated else a for i, a in enumerate(args))
     donated = tuple(a if i in optimizer.donated else None for i, a in enumerate(args))
-    return _jitted_donating_step(kept, donated, optimizer, burnin_in_graph)
+    donating_step = _jit(_jitted_donating_step, "all-except-first", options)
+    return donating_step(kept, donated, optimizer, burnin_in_graph)
 
 
-@eqx.filter_jit
-def jitted_burnin(optimizer, params, state, key, batch, func_state):
-    """One compiled burn-in curvature update (`optimizer_step.burnin_update`), never donating."""
+def _jitted_burnin(optimizer, params, state, key, batch, func_state):
     return _maybe_sharded(optimizer, burnin_update, params, state, key, batch, func_state)
+
+
+def jitted_burnin(
+    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, key: Any, batch: Any, func_state: Any
+) -> OptimizerState:
+    """One compiled burn-in curvature update (`optimizer_step.burnin_update`), never donating."""
+    burnin = _jit(_jitted_burnin, "none", optimizer.compiler_options)
+    return burnin(optimizer, params, state, key, batch, func_state)

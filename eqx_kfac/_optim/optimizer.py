@@ -33,7 +33,7 @@ from .._core.tree import signature
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
 from .abstract_optimizer import AbstractOptimizer
 from .arguments import check_batch, check_func_state, check_params, check_scalar_loss, params_signature
-from .compilation import compiled_step, initial_state, jitted_burnin
+from .compilation import compiled_step, DEFAULT_COMPILER_OPTIONS, initial_state, jitted_burnin
 from .damping import AbstractDampingRule
 from .direction import AbstractDirection
 from .guard import StepGuard
@@ -97,6 +97,7 @@ class Optimizer(AbstractOptimizer):
     shard_state: bool = eqx.field(static=True)
     calibrate_initial_damping: bool = eqx.field(static=True)
     donated: tuple[int, ...] = eqx.field(static=True)
+    compiler_options: tuple[tuple[str, Any], ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -167,6 +168,7 @@ class Optimizer(AbstractOptimizer):
         direction: AbstractDirection | None = None,
         refresh: AbstractRefreshSchedule | None = None,
         guard: StepGuard | None = None,
+        compiler_options: Mapping[str, Any] | None = DEFAULT_COMPILER_OPTIONS,
     ):
         """**Arguments:** see the "Optimizer" documentation page, which describes every keyword;
         in short:
@@ -206,6 +208,10 @@ class Optimizer(AbstractOptimizer):
           the mesh and the step one SPMD program, see the "Multi-device" page); buffers:
           `donate_parameters`, `donate_optimizer_state`, `donate_batch_inputs`,
           `donate_func_state`.
+        - `compiler_options`: XLA options for the step that `step` compiles when called directly
+          (`jax.jit`'s `compiler_options`; ignored inside your own `jit`). The default turns off
+          XLA's Triton GEMM kernels on GPUs, whose autotuning was most of the step's GPU
+          compilation; `None` keeps XLA's defaults.
         - `value_func`, `value_func_for_estimator`, `batch_process_func`,
           `include_norms_in_stats`, `include_per_param_norms_in_stats`.
         - `damping_rule`, `step_rule`, `direction`, `refresh`, `guard`: parts given directly
@@ -258,6 +264,7 @@ class Optimizer(AbstractOptimizer):
         self.calibrate_initial_damping = use_initial_damping_calibration
         flags = (donate_parameters, donate_optimizer_state, False, donate_batch_inputs, donate_func_state)
         self.donated = tuple(i for i, flag in enumerate(flags) if flag)
+        self.compiler_options = tuple(sorted((compiler_options or {}).items()))
 
     @property
     def refresh(self) -> AbstractRefreshSchedule:
