@@ -31,17 +31,21 @@ def _close(actual, expected, rtol=1e-8, atol=1e-10):
 
 
 def _statistics(block, seed, exact=None, approx=None):
-    data = random_data(block.spec, jax.random.key(seed))
+    return _updated(block, random_data(block.spec, jax.random.key(seed)), exact, approx)
+
+
+@eqx.filter_jit
+def _updated(block, data, exact=None, approx=None):
+    """A fresh state updated once with `data` (one compiled program instead of eager ops)."""
     state = block.init(None, exact, approx)
     return block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, 3)
 
 
-def _dense_solve(block, state, vector, damping):
-    dense = np.asarray(block.to_dense_matrix(state))
+def _dense_solve(dense, vector, damping):
+    dense = np.asarray(dense)
     return np.linalg.solve(dense + damping * np.eye(dense.shape[0]), np.asarray(flat(vector)))
 
 
-@eqx.filter_jit
 def _inverses(block, state, vector, damping, exact_power):
     """Uncached inverse, and the cached one refreshed with `damping` but applied with another
     damping (cached solver states freeze the damping of `update_cache`)."""
@@ -53,13 +57,17 @@ def _inverses(block, state, vector, damping, exact_power):
 
 
 @eqx.filter_jit
-def _exact_inverses(blocks, states, vector, damping):
-    """For each block with a solver: its uncached and cached inverses (with `exact_power=False`
-    for the last, where the solver makes it exact too)."""
+def _exact_inverses(default, blocks, data, vector, damping):
+    """The default block's dense matrix and exact inverse, and for each block with a solver its
+    uncached and cached inverses (with `exact_power=False` for the last, where the solver makes
+    it exact too), in one program (`damping` is an array, so hypothesis examples share it)."""
+    state = _updated(default, data)
     results = []
-    for i, (block, state) in enumerate(zip(blocks, states)):
-        results.extend(_inverses(block, state, vector, damping, i != len(blocks) - 1))
-    return results
+    for i, block in enumerate(blocks):
+        solver_state = _updated(block, data, exact=-1)
+        results.extend(_inverses(block, solver_state, vector, damping, i != len(blocks) - 1))
+    own = default.multiply_inverse(state, vector, damping, exact_power=True)
+    return default.to_dense_matrix(state), own, results
 
 
 @pytest.mark.parametrize("cls", BLOCKS)
@@ -69,73 +77,95 @@ def _exact_inverses(blocks, states, vector, damping):
 def test_exact_solvers_agree_with_default_exact_inverse(cls, n_in, n_out, stack, seed, damping):
     spec = dense_spec(n_in, n_out, layout="out_in", stack=stack)
     default = cls(spec)
-    state = _statistics(default, seed)
+    data = random_data(spec, jax.random.key(seed))
     vector = random_vector(default, jax.random.key(seed + 1))
-    reference = _dense_solve(default, state, vector, damping)
-    _close(flat(default.multiply_inverse(state, vector, damping, exact_power=True)), reference)
     # Shapes are fixed per test case, so the examples share one compilation.
     blocks = tuple(cls(spec, solver=solver) for solver in EXACT_SOLVERS + (lx.Cholesky(),))
-    states = tuple(_statistics(block, seed, exact=-1) for block in blocks)
-    for result in _exact_inverses(blocks, states, vector, damping):
+    dense, own, results = _exact_inverses(default, blocks, data, vector, np.float64(damping))
+    reference = _dense_solve(dense, vector, damping)
+    _close(flat(own), reference)
+    for result in results:
         assert [r.shape for r in result] == [v.shape for v in vector]
         _close(flat(result), reference)
+
+
+@eqx.filter_jit
+def _pi_adjusted_inverses(default, block, data, vector):
+    state = _updated(default, data)
+    expected = default.multiply_inverse(state, vector, 0.1, False)
+    got = _inverses(block, _updated(block, data, approx=-1), vector, 0.1, True)
+    return default.to_dense_matrix(state), expected, got
 
 
 def test_pi_adjusted_solver_agrees_with_default_approximate_inverse():
     for stack in (None, 3):
         spec = dense_spec(3, 2, stack=stack)
+        data = random_data(spec, jax.random.key(4))
         for cls in BLOCKS:
             default = cls(spec)
             block = cls(spec, solver=eqx_kfac.KroneckerPiAdjustedSolver())
             vector = random_vector(default, jax.random.key(5))
-            state = _statistics(default, 4)
-            expected = eqx.filter_jit(default.multiply_inverse)(state, vector, 0.1, False)
-            for got in _inverses(block, _statistics(block, 4, approx=-1), vector, 0.1, True):
-                _close(flat(got), flat(expected))
+            dense, expected, got = _pi_adjusted_inverses(default, block, data, vector)
+            for g in got:
+                _close(flat(g), flat(expected))
+            exact = _dense_solve(dense, vector, 0.1)
             if cls is eqx_kfac.DenseFull:
                 # One factor: pi-adjusted damping is exact.
-                _close(flat(expected), _dense_solve(default, state, vector, 0.1))
-    # The approximation differs from the exact inverse for two factors, so the check above can fail.
-    kron = eqx_kfac.DenseTwoKroneckerFactored(dense_spec(3, 2))
-    state = _statistics(kron, 4)
-    vector = random_vector(kron, jax.random.key(5))
-    approx = kron.multiply_inverse(state, vector, 0.1, exact_power=False)
-    assert not np.allclose(flat(approx), _dense_solve(kron, state, vector, 0.1), rtol=1e-6)
+                _close(flat(expected), exact)
+            else:
+                # The approximation differs from the exact inverse for two factors, so the
+                # check above can fail.
+                assert not np.allclose(flat(expected), exact, rtol=1e-6)
+
+
+@eqx.filter_jit
+def _other_powers(default, block, data, vector):
+    states = [
+        b.update_cache(_updated(b, data, exact=(-1, -0.5)), 0.2, exact_powers=(-1, -0.5))
+        for b in (default, block)
+    ]
+    products = [
+        [
+            b.multiply_matpower(s, vector, 0.2, power, True, power != 1)
+            for b, s in zip((default, block), states)
+        ]
+        for power in (-0.5, 1)
+    ]
+    inverse = block.multiply_inverse(states[1], vector, 0.2, use_cached=True)
+    return products, inverse, block.to_dense_matrix(states[1])
 
 
 def test_other_powers_keep_their_own_method():
     spec = dense_spec(3, 2)
+    data = random_data(spec, jax.random.key(1))
     for cls in BLOCKS:
         default = cls(spec)
         block = cls(spec, solver=lx.Cholesky())
         vector = random_vector(block, jax.random.key(2))
-        states = [
-            b.update_cache(_statistics(b, 1, exact=(-1, -0.5)), 0.2, exact_powers=(-1, -0.5))
-            for b in (default, block)
-        ]
-        for power in (-0.5, 1):
-            a, b = (
-                b.multiply_matpower(s, vector, 0.2, power, True, power != 1)
-                for b, s in zip((default, block), states)
-            )
+        products, inverse, dense = _other_powers(default, block, data, vector)
+        for a, b in products:  # powers -0.5 (cached) and 1
             _close(flat(a), flat(b))
-        _close(
-            flat(block.multiply_inverse(states[1], vector, 0.2, use_cached=True)),
-            _dense_solve(block, states[1], vector, 0.2),
-        )
+        _close(flat(inverse), _dense_solve(dense, vector, 0.2))
+
+
+@eqx.filter_jit
+def _failed_and_converged(failing, converging, data, vector):
+    state = _updated(failing, data, exact=-1)
+    failed = _inverses(failing, state, vector, 1e-6, True)
+    return failed, converging.multiply_inverse(state, vector, 1e-6)
 
 
 def test_failed_solve_gives_nans():
     spec = dense_spec(4, 3)
     # Widely spread eigenvalues: one CG step cannot reach the tolerance.
     block = eqx_kfac.DenseFull(spec, solver=lx.CG(rtol=1e-12, atol=1e-12, max_steps=1))
-    state = _statistics(block, 0, exact=-1)
-    vector = random_vector(block, jax.random.key(1))
-    for result in _inverses(block, state, vector, 1e-6, True):
-        assert np.all(np.isnan(flat(result)))
     # The same solver with enough steps converges on the same problem.
     good = eqx_kfac.DenseFull(spec, solver=lx.CG(rtol=1e-6, atol=1e-6, max_steps=1000))
-    result = good.multiply_inverse(state, vector, 1e-6)
+    data = random_data(spec, jax.random.key(0))
+    vector = random_vector(block, jax.random.key(1))
+    failed, result = _failed_and_converged(block, good, data, vector)
+    for f in failed:
+        assert np.all(np.isnan(flat(f)))
     assert np.all(np.isfinite(flat(result)))
 
 
@@ -146,11 +176,18 @@ def test_solver_field_is_keyword_only_and_static():
     assert block.solver == lx.Cholesky() and jax.tree.leaves(block) == []
     with pytest.raises(TypeError):
         eqx_kfac.DenseFull(spec, lx.Cholesky())
+    state = _statistics(block, 0)
     with pytest.raises(ValueError, match="has no cached"):
         vector = random_vector(block, jax.random.key(0))
-        block.multiply_inverse(_statistics(block, 0), vector, 0.1, use_cached=True)
+        block.multiply_inverse(state, vector, 0.1, use_cached=True)
     with pytest.raises(ValueError, match="has no cached"):
-        block.update_cache(_statistics(block, 0), 0.1, exact_powers=-1)
+        block.update_cache(state, 0.1, exact_powers=-1)
+
+
+@eqx.filter_jit
+def _solve_and_default(block, default, state, vector):
+    expected = default.multiply_inverse(state, vector, 0.1, exact_power=False)
+    return solve_block(block, state, vector, 0.1), expected
 
 
 def test_solve_block_uses_the_blocks_solver():
@@ -158,10 +195,9 @@ def test_solve_block_uses_the_blocks_solver():
     block = eqx_kfac.DenseTwoKroneckerFactored(spec, solver=eqx_kfac.KroneckerPiAdjustedSolver())
     state = _statistics(block, 3)
     vector = random_vector(block, jax.random.key(4))
-    expected = eqx_kfac.DenseTwoKroneckerFactored(spec).multiply_inverse(
-        state, vector, 0.1, exact_power=False
-    )
-    _close(flat(solve_block(block, state, vector, 0.1)), flat(expected))
+    default = eqx_kfac.DenseTwoKroneckerFactored(spec)
+    got, expected = _solve_and_default(block, default, state, vector)
+    _close(flat(got), flat(expected))
 
 
 def _estimator(problem, **kwargs):
@@ -186,33 +222,39 @@ def test_estimator_per_block_choice(getkey):
     default = _estimator(problem, layer_tag_to_block_ctor=ctor)
     estimator = _estimator(problem, layer_tag_to_block_ctor=ctor, inverse_solver=choose)
     assert [type(b.solver) for b in estimator.blocks] == [lx.Cholesky, lx.CG]
-    state = estimator.update_curvature_matrix_estimate(
-        estimator.init(None, -1), 0.0, 1.0, problem.batch_size, getkey(), problem.func_args
-    )
-    grads = jax.grad(lambda p: problem.loss_fn(p, problem.batch))(problem.params)
-    dense = np.asarray(estimator.to_dense_matrix(state))
-    g = np.asarray(flat_params(grads)[0])
-    reference = np.linalg.solve(dense + 0.1 * np.eye(g.size), g)
 
     @jax.jit
-    def inverses(state):
+    def statistics_and_inverses(key):
+        state = estimator.update_curvature_matrix_estimate(
+            estimator.init(None, -1), 0.0, 1.0, problem.batch_size, key, problem.func_args
+        )
+        grads = jax.grad(lambda p: problem.loss_fn(p, problem.batch))(problem.params)
         refreshed = estimator.update_cache(state, 0.1, exact_powers=-1)
-        return (
+        inverses = (
             # Uncached products read only the statistics, which both estimators share.
             default.multiply_inverse(state, grads, 0.1, exact_power=True),
             estimator.multiply_inverse(state, grads, 0.1, exact_power=False),
             estimator.multiply_inverse(refreshed, grads, 0.1, use_cached=True),
         )
+        return estimator.to_dense_matrix(state), grads, inverses
 
-    for result in inverses(state):
+    dense, grads, inverses = statistics_and_inverses(getkey())
+    g = np.asarray(flat_params(grads)[0])
+    reference = np.linalg.solve(np.asarray(dense) + 0.1 * np.eye(g.size), g)
+    for result in inverses:
         _close(flat_params(result)[0], reference)
     # A sequence with None entries leaves those blocks alone.
     mixed = _estimator(problem, layer_tag_to_block_ctor=ctor, inverse_solver=[None, lx.LU()])
     assert [b.solver for b in mixed.blocks] == [None, lx.LU()]
 
 
-def test_estimator_errors(getkey):
-    problem = mlp_classification(getkey(), sizes=(3, 4, 3))
+@pytest.fixture(scope="module")
+def classification():
+    return mlp_classification(jax.random.key(0))
+
+
+def test_estimator_errors(classification):
+    problem = classification
     with pytest.raises(ValueError, match="1 entries but there are 2 blocks.*dense"):
         _estimator(problem, inverse_solver=[lx.Cholesky()])
     diagonal = {"dense": eqx_kfac.DenseDiagonal}
@@ -231,8 +273,10 @@ def test_estimator_errors(getkey):
 
 
 @pytest.mark.parametrize("inverse_update_period", [1, 2])
-def test_preconditioner_with_cholesky_matches_default_exact(getkey, inverse_update_period):
-    problem = mlp_classification(getkey(), sizes=(3, 4, 3), batch=6)
+def test_preconditioner_with_cholesky_matches_default_exact(
+    getkey, classification, inverse_update_period
+):
+    problem = classification
     keys = jax.random.split(getkey(), 3)
     batches = [(jax.random.normal(k, problem.batch[0].shape), problem.batch[1]) for k in keys]
     kwargs = dict(
@@ -247,8 +291,9 @@ def test_preconditioner_with_cholesky_matches_default_exact(getkey, inverse_upda
     ]
     params = eqx.filter(problem.params, eqx.is_inexact_array)
     states = [t.init(params) for t in transforms]
+    gradient = eqx.filter_jit(eqx.filter_grad(problem.loss_fn))
     for batch in batches:
-        grads = eqx.filter_grad(problem.loss_fn)(problem.params, batch)
+        grads = gradient(problem.params, batch)
         outputs = [
             eqx.filter_jit(t.update)(grads, s, params, batch=batch)
             for t, s in zip(transforms, states)
@@ -257,18 +302,22 @@ def test_preconditioner_with_cholesky_matches_default_exact(getkey, inverse_upda
         states = [s for _, s in outputs]
 
 
-def _optimizer(**kwargs):
-    problem = mlp_classification(jax.random.key(0))
-    opt = eqx_kfac.Optimizer(eqx.filter_value_and_grad(problem.loss_fn), l2_reg=1e-3,
-                             num_burnin_steps=0, inverse_update_period=2, **kwargs)
-    return problem, opt
+def _optimizer(problem, **kwargs):
+    return eqx_kfac.Optimizer(eqx.filter_value_and_grad(problem.loss_fn), l2_reg=1e-3,
+                              num_burnin_steps=0, inverse_update_period=2, **kwargs)
 
 
-def test_optimizer_with_cholesky_solver_matches_exact_inverses():
-    problem, exact = _optimizer(use_exact_inverses=True)
-    _, cholesky = _optimizer(inverse_solver=lx.Cholesky())
+@pytest.fixture(scope="module")
+def cholesky_optimizer(classification):
+    """Shared by the two tests below, which so compile its step once."""
+    return _optimizer(classification, inverse_solver=lx.Cholesky())
+
+
+def test_optimizer_with_cholesky_solver_matches_exact_inverses(classification, cholesky_optimizer):
+    problem = classification
+    exact = _optimizer(problem, use_exact_inverses=True)
     runs = []
-    for opt in (exact, cholesky):
+    for opt in (exact, cholesky_optimizer):
         params = problem.params
         state = opt.init(params, jax.random.key(1), problem.batch)
         # A constant damping: cached exact inverses take the damping of each step, cached
@@ -281,10 +330,10 @@ def test_optimizer_with_cholesky_solver_matches_exact_inverses():
     _close(runs[1], runs[0])
 
 
-def test_failed_cache_refresh_keeps_the_previous_cache():
+def test_failed_cache_refresh_keeps_the_previous_cache(classification, cholesky_optimizer):
     # A hugely negative damping makes `K + λI` indefinite: the Cholesky refresh at step 2 fails
     # (non-finite state), the step keeps the cache of step 0 and takes a finite step with it.
-    problem, opt = _optimizer(inverse_solver=lx.Cholesky())
+    problem, opt = classification, cholesky_optimizer
     params = problem.params
     state = opt.init(params, jax.random.key(1), problem.batch)
     caches = []

@@ -69,6 +69,12 @@ def _kron_op(rng, ns, **kwargs):
 # The operators themselves
 
 
+@jax.jit
+def _products(op, v, w):
+    """Everything the operator tests compare, in one program per shape."""
+    return op.as_matrix(), op.mv(v), op.T.mv(w), op.T.as_matrix(), lx.diagonal(op)
+
+
 @given(seed=seeds, shapes=rect_shapes)
 def test_kronecker_mv_as_matrix_and_transpose_match_dense_kron(seed, shapes):
     rng = np.random.default_rng(seed)
@@ -79,11 +85,12 @@ def test_kronecker_mv_as_matrix_and_transpose_match_dense_kron(seed, shapes):
     w = rng.normal(size=tuple(m for m, _ in shapes))
     assert op.in_structure() == jax.ShapeDtypeStruct(v.shape, jnp.float64)
     assert op.out_structure() == jax.ShapeDtypeStruct(w.shape, jnp.float64)
-    np.testing.assert_allclose(op.as_matrix(), dense, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(op.mv(jnp.asarray(v)).ravel(), dense @ v.ravel(), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(op.T.mv(jnp.asarray(w)).ravel(), dense.T @ w.ravel(), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(op.T.as_matrix(), dense.T, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(lx.diagonal(op), np.diagonal(dense), rtol=1e-12, atol=1e-12)
+    matrix, mv, transpose_mv, transpose, diagonal = _products(op, jnp.asarray(v), jnp.asarray(w))
+    np.testing.assert_allclose(matrix, dense, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mv.ravel(), dense @ v.ravel(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(transpose_mv.ravel(), dense.T @ w.ravel(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(transpose, dense.T, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(diagonal, np.diagonal(dense), rtol=1e-12, atol=1e-12)
 
 
 def test_kronecker_construction_errors_and_tags():
@@ -124,12 +131,13 @@ def test_block_diagonal_matches_dense_block_diag(seed, ns):
     op = O.BlockDiagonalOperator(blocks)
     dense = _block_diag(dense_blocks)
     flat = np.concatenate([np.asarray(v).ravel() for v in vectors])
-    np.testing.assert_allclose(op.as_matrix(), dense, rtol=1e-12, atol=1e-12)
-    out = op.mv(tuple(vectors))
-    out_flat = np.concatenate([np.asarray(o).ravel() for o in out])
-    np.testing.assert_allclose(out_flat, dense @ flat, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(op.T.as_matrix(), dense.T, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(lx.diagonal(op), np.diagonal(dense), rtol=1e-12, atol=1e-12)
+    matrix, out, transpose_out, transpose, diagonal = _products(op, tuple(vectors), tuple(vectors))
+    np.testing.assert_allclose(matrix, dense, rtol=1e-12, atol=1e-12)
+    for got in (out, transpose_out):
+        got_flat = np.concatenate([np.asarray(o).ravel() for o in got])
+        np.testing.assert_allclose(got_flat, dense @ flat, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(transpose, dense.T, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(diagonal, np.diagonal(dense), rtol=1e-12, atol=1e-12)
     assert op.in_structure() == tuple(b.in_structure() for b in blocks)
     assert lx.is_symmetric(op) and lx.is_positive_semidefinite(op)
 
@@ -149,7 +157,7 @@ def test_block_diagonal_errors_and_mixed_properties():
 # Lineax's own functions on our operators
 
 
-def test_lineax_functions_on_kronecker_and_block_diagonal(getkey):
+def test_lineax_functions_on_kronecker_and_block_diagonal():
     rng = np.random.default_rng(0)
     kron, factors = _kron_op(rng, [2, 3], low=-1.0)
     matrix = lx.MatrixLinearOperator(jnp.asarray(_psd(rng, 3, low=-1.0)), PSD)
@@ -166,7 +174,7 @@ def test_lineax_functions_on_kronecker_and_block_diagonal(getkey):
         for check in (lx.is_diagonal, lx.is_tridiagonal, lx.has_unit_diagonal, lx.is_lower_triangular,
                       lx.is_upper_triangular, lx.is_negative_semidefinite):
             assert check(op) is False
-        b = jax.tree.map(lambda s: jax.random.normal(getkey(), s.shape), op.out_structure())
+        b = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape)), op.out_structure())
         x = lx.linear_solve(op, b, solver=lx.Cholesky()).value
         flat_x = np.concatenate([np.asarray(leaf).ravel() for leaf in jax.tree.leaves(x)])
         flat_b = np.concatenate([np.asarray(leaf).ravel() for leaf in jax.tree.leaves(b)])
@@ -177,6 +185,18 @@ def test_lineax_functions_on_kronecker_and_block_diagonal(getkey):
 # Damped exact solves and powers
 
 
+@jax.jit
+def _damped_solves(op, v, damping):
+    """The damped solve from the factors, from their precomputed eigendecompositions and through
+    lineax, in one program per shape (the damping is traced, so examples share it)."""
+    damped = op + damping * lx.IdentityLinearOperator(op.in_structure())
+    return (
+        KR.kronecker_damped_solve(op, v, damping),
+        KR.kronecker_damped_solve(KR.kronecker_eigh(op), v, damping),
+        lx.linear_solve(damped, v, solver=LS.KroneckerEigenSolver()).value,
+    )
+
+
 @given(seed=seeds, ns=dims, damping=dampings)
 def test_damped_exact_solve_inverts_kron_plus_damping(seed, ns, damping):
     rng = np.random.default_rng(seed)
@@ -185,7 +205,8 @@ def test_damped_exact_solve_inverts_kron_plus_damping(seed, ns, damping):
     op = O.KroneckerOperator(factors, PSD)
     v = rng.normal(size=tuple(ns))
     dense = _dense_kron(factors) + damping * np.eye(v.size)
-    x = np.asarray(KR.kronecker_damped_solve(op, jnp.asarray(v), damping)).ravel()
+    solves = _damped_solves(op, jnp.asarray(v), damping)
+    x, from_eigh, via_lineax = (np.asarray(r).ravel() for r in solves)
     if v.size == 0:
         assert x.shape == (0,)
         return
@@ -198,11 +219,18 @@ def test_damped_exact_solve_inverts_kron_plus_damping(seed, ns, damping):
     cond = np.linalg.cond(dense)
     assert _rel(x, np.linalg.solve(dense, v.ravel())) <= max(1e-8, 1e-13 * cond)
     # Precomputed eigendecompositions give the same result, as does lineax with our solver.
+    np.testing.assert_allclose(from_eigh, x, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(via_lineax, x, rtol=1e-12, atol=0)
+
+
+@jax.jit
+def _composed_and_once(op, v, damping, p, q, p_plus_q):
+    # Traced powers (one program per shape): `kronecker_damped_matpower` takes its general
+    # branch, as it does for these Python floats (only a literal -1 is special-cased).
     eigh = KR.kronecker_eigh(op)
-    np.testing.assert_allclose(KR.kronecker_damped_solve(eigh, jnp.asarray(v), damping).ravel(), x, rtol=1e-12, atol=0)
-    damped = op + damping * lx.IdentityLinearOperator(op.in_structure())
-    via_lineax = lx.linear_solve(damped, jnp.asarray(v), solver=LS.KroneckerEigenSolver()).value
-    np.testing.assert_allclose(np.asarray(via_lineax).ravel(), x, rtol=1e-12, atol=0)
+    first = KR.kronecker_damped_matpower(eigh, v, damping, p)
+    both = KR.kronecker_damped_matpower(eigh, first, damping, q)
+    return both, KR.kronecker_damped_matpower(op, v, damping, p_plus_q)
 
 
 @given(seed=seeds, ns=dims, damping=dampings, p=st.floats(-1.5, 1.5), q=st.floats(-1.5, 1.5))
@@ -213,9 +241,7 @@ def test_damped_powers_compose(seed, ns, damping, p, q):
     # r^(|p|+|q|) <= 64^3 ≈ 2.6e5 relative to the result, i.e. ~1e-10 at double precision.
     op, factors = _kron_op(rng, ns, low=np.log10(0.5), high=np.log10(2.0))
     v = jnp.asarray(rng.normal(size=tuple(ns)))
-    eigh = KR.kronecker_eigh(op)
-    both = KR.kronecker_damped_matpower(eigh, KR.kronecker_damped_matpower(eigh, v, damping, p), damping, q)
-    once = KR.kronecker_damped_matpower(op, v, damping, p + q)
+    both, once = _composed_and_once(op, v, damping, p, q, p + q)
     if v.size == 0:
         return
     assert _rel(both, once) <= 1e-8
@@ -228,7 +254,7 @@ def test_damped_solve_under_jit_and_grad_matches_dense():
     rng = np.random.default_rng(1)
     op, factors = _kron_op(rng, [3, 2], low=-1.0)
     v = jnp.asarray(rng.normal(size=(3, 2)))
-    dense = jnp.asarray(_dense_kron(factors))
+    dense = _dense_kron(factors)
     structure = op.in_structure()
 
     @jax.jit
@@ -236,11 +262,12 @@ def test_damped_solve_under_jit_and_grad_matches_dense():
         damped = O.KroneckerOperator(factors, PSD) + damping * lx.IdentityLinearOperator(structure)
         return jnp.sum(lx.linear_solve(damped, v, solver=LS.KroneckerEigenSolver()).value ** 2)
 
-    def dense_solve(damping):
-        return jnp.sum(jnp.linalg.solve(dense + damping * jnp.eye(6), v.ravel()) ** 2)
-
-    np.testing.assert_allclose(solve(op.factors, 0.1), dense_solve(0.1), rtol=1e-10)
-    np.testing.assert_allclose(jax.grad(solve, argnums=1)(op.factors, 0.1), jax.grad(dense_solve)(0.1), rtol=1e-8)
+    # With x = (D + λI)⁻¹ v: d/dλ ‖x‖² = -2 xᵀ (D + λI)⁻¹ x.
+    damped = dense + 0.1 * np.eye(6)
+    x = np.linalg.solve(damped, np.asarray(v).ravel())
+    np.testing.assert_allclose(solve(op.factors, 0.1), np.sum(x**2), rtol=1e-10)
+    grad = jax.grad(solve, argnums=1)(op.factors, 0.1)
+    np.testing.assert_allclose(grad, -2 * x @ np.linalg.solve(damped, x), rtol=1e-8)
 
 
 def test_solver_rejects_other_operators_and_wrong_shapes():
@@ -273,7 +300,14 @@ def test_solver_rejects_other_operators_and_wrong_shapes():
 # Pi-adjusted approximate inverse
 
 
-# Each example runs the inversion op by op (several seconds); 8 examples cover the shape grid.
+@jax.jit
+def _pi_adjusted_and_solve(op, v, damping):
+    damped = op + damping * lx.IdentityLinearOperator(op.in_structure())
+    via_lineax = lx.linear_solve(damped, v, solver=LS.KroneckerPiAdjustedSolver()).value
+    return KR.pi_adjusted_inverse(op, damping).as_matrix(), via_lineax
+
+
+# One compilation per shape of the grid (the damping is traced); 8 examples cover the grid.
 @settings(max_examples=8)
 @given(seed=seeds, n_a=st.sampled_from([2, 4]), n_g=st.sampled_from([3, 4]), damping=dampings)
 def test_pi_adjusted_two_factors_equals_closed_form(seed, n_a, n_g, damping):
@@ -284,13 +318,21 @@ def test_pi_adjusted_two_factors_equals_closed_form(seed, n_a, n_g, damping):
     closed = np.kron(np.linalg.inv(a + pi * np.sqrt(damping) * np.eye(n_a)),
                      np.linalg.inv(g + np.sqrt(damping) / pi * np.eye(n_g)))
     op = O.KroneckerOperator([jnp.asarray(a), jnp.asarray(g)], PSD)
-    approx = KR.pi_adjusted_inverse(op, damping)
+    approx, via_lineax = _pi_adjusted_and_solve(op, jnp.asarray(v), damping)
     # Each damped factor has eigenvalues >= min(eig) + damping share >= ~1e-5, cond <= ~1e6:
     # inverses are accurate to ~1e-10 relative.
-    assert _rel(approx.as_matrix(), closed) <= 1e-8
-    damped = op + damping * lx.IdentityLinearOperator(op.in_structure())
-    via_lineax = lx.linear_solve(damped, jnp.asarray(v), solver=LS.KroneckerPiAdjustedSolver()).value
+    assert _rel(approx, closed) <= 1e-8
     assert _rel(via_lineax, closed @ v.ravel()) <= 1e-8
+
+
+@jax.jit
+def _pi_adjusted_parts(factors, damping):
+    """The damped factors, the inverse and the square root, in one program per shape."""
+    return (
+        KR.pi_adjusted_damped_factors(factors, damping),
+        KR.pi_adjusted_inverse(factors, damping).as_matrix(),
+        KR.pi_adjusted_inverse(factors, damping, power=0.5).as_matrix(),
+    )
 
 
 @settings(max_examples=10)
@@ -310,25 +352,32 @@ def test_pi_adjusted_k_factors_equals_closed_form(seed, ns, damping):
                                        for i in range(len(ns))])
     else:
         closed = np.array([[scalar + damping]])
-    damped = KR.pi_adjusted_damped_factors([jnp.asarray(f) for f in factors], damping)
+    damped, inverse, powered = _pi_adjusted_parts([jnp.asarray(f) for f in factors], damping)
     assert _rel(_dense_kron(damped), closed) <= 1e-10
-    inverse = KR.pi_adjusted_inverse([jnp.asarray(f) for f in factors], damping)
-    assert _rel(inverse.as_matrix(), np.linalg.inv(closed)) <= 1e-8
-    powered = KR.pi_adjusted_inverse([jnp.asarray(f) for f in factors], damping, power=0.5)
+    assert _rel(inverse, np.linalg.inv(closed)) <= 1e-8
     vals, vecs = np.linalg.eigh(closed)
-    assert _rel(powered.as_matrix(), (vecs * np.sqrt(vals)) @ vecs.T) <= 1e-8
+    assert _rel(powered, (vecs * np.sqrt(vals)) @ vecs.T) <= 1e-8
+
+
+@jax.jit
+def _inversions(factors, damping):
+    """`_block_spd_inverse` of the first factor (no fallback) and the factors of the public
+    `pi_adjusted_inverse`, in one program per shape (eagerly, the fallback's `cond` would compile
+    at every call)."""
+    return KR._block_spd_inverse(factors[0]), KR.pi_adjusted_inverse(factors, damping).factors
 
 
 def test_pi_adjusted_zero_factor_and_single_large_factor_are_exact():
     rng = np.random.default_rng(2)
     g = _psd(rng, 3)
     # A zero factor makes the product zero: the approximation is λ I, exactly.
-    inverse = KR.pi_adjusted_inverse([jnp.zeros((2, 2)), jnp.asarray(g)], 0.5)
-    np.testing.assert_allclose(inverse.as_matrix(), np.eye(6) / 0.5, rtol=1e-12)
-    assert np.all(np.isfinite(inverse.as_matrix()))
+    _, inverse = _inversions([jnp.zeros((2, 2)), jnp.asarray(g)], 0.5)
+    np.testing.assert_allclose(_dense_kron(inverse), np.eye(6) / 0.5, rtol=1e-12)
+    assert np.all(np.isfinite(_dense_kron(inverse)))
     # A 1x1 factor only scales the other one, so the damped product is exact.
-    inverse = KR.pi_adjusted_inverse([jnp.asarray([[3.0]]), jnp.asarray(g)], 0.5)
-    np.testing.assert_allclose(inverse.as_matrix(), np.linalg.inv(3 * g + 0.5 * np.eye(3)), rtol=1e-10)
+    _, inverse = _inversions([jnp.asarray([[3.0]]), jnp.asarray(g)], 0.5)
+    expected = np.linalg.inv(3 * g + 0.5 * np.eye(3))
+    np.testing.assert_allclose(_dense_kron(inverse), expected, rtol=1e-10)
 
 
 # NaN safety
@@ -338,9 +387,15 @@ def test_singular_damped_factor_falls_back_to_finite_inverse():
     # λ = 0 with a rank-deficient factor: Cholesky breaks down; the eigh fallback floors the
     # zero eigenvalue instead, giving a finite generalised inverse (A X A = A).
     a = np.array([[1.0, 1.0], [1.0, 1.0]])
-    inverse = KR.pi_adjusted_inverse([jnp.asarray(a)], 0.0).factors[0]
+    (inverse,) = _inversions([jnp.asarray(a)], 0.0)[1]
     assert np.all(np.isfinite(inverse))
     np.testing.assert_allclose(a @ np.asarray(inverse) @ a, a, atol=1e-8)
+
+
+@jax.jit
+def _inversions_and_refresh(factors, damping, previous):
+    # Both cases share this program (same shapes, traced damping).
+    return *_inversions(factors, damping), KR.refreshed_inverse_factors(factors, damping, previous)
 
 
 @pytest.mark.parametrize("singular", [False, True])
@@ -354,10 +409,9 @@ def test_refreshed_inverse_factors_equal_pi_adjusted_inverse_or_keep_the_previou
     factors = [jnp.asarray(x @ x.T), jnp.asarray(_psd(rng, 5))]
     damping = 0.0 if singular else 0.3
     previous = [jnp.full((40, 40), 7.0), jnp.full((5, 5), 8.0)]
+    block_inverse, expected, got = _inversions_and_refresh(factors, damping, previous)
     if singular:
-        assert not np.all(np.isfinite(np.asarray(KR._block_spd_inverse(factors[0]))))
-    expected = KR.pi_adjusted_inverse(factors, damping).factors
-    got = jax.jit(KR.refreshed_inverse_factors)(factors, damping, previous)
+        assert not np.all(np.isfinite(np.asarray(block_inverse)))
     np.testing.assert_allclose(got[0], previous[0] if singular else expected[0], rtol=1e-8)
     if singular:
         np.testing.assert_array_equal(got[1], previous[1])
@@ -391,32 +445,48 @@ def test_non_finite_eigh_is_retried(monkeypatch):
 # Spectral functions
 
 
+@jax.jit
+def _spectra(op, damping, other):
+    """Trace, Frobenius norm, logdet and eigenvalues of a Kronecker operator, of it damped and of
+    a block diagonal with it, in one program per shape (the damping is traced)."""
+    damped = op + damping * lx.IdentityLinearOperator(op.in_structure())
+    block = O.BlockDiagonalOperator([op, other])
+    return {
+        "op": (S.trace(op), S.frobenius_norm(op), S.logdet(op), S.eigenvalues(op)),
+        "damped": (S.trace(damped), S.logdet(damped), S.eigenvalues(damped)),
+        "block": (S.trace(block), S.frobenius_norm(block), S.logdet(block), S.eigenvalues(block)),
+    }
+
+
 @given(seed=seeds, ns=positive_dims, damping=dampings)
 def test_spectral_functions_match_numpy(seed, ns, damping):
     rng = np.random.default_rng(seed)
     op, factors = _kron_op(rng, ns)
     dense = _dense_kron(factors)
+    other = lx.MatrixLinearOperator(jnp.asarray(_psd(rng, 3)), PSD)
+    spectra = _spectra(op, damping, other)
     # Eigenvalues in [1e-6, 1e3]: logdet is a sum of well-conditioned logs.
-    np.testing.assert_allclose(S.trace(op), np.trace(dense), rtol=1e-10)
-    np.testing.assert_allclose(S.frobenius_norm(op), np.linalg.norm(dense), rtol=1e-10)
-    np.testing.assert_allclose(S.logdet(op), np.linalg.slogdet(dense)[1], rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(np.sort(S.eigenvalues(op)), np.linalg.eigvalsh(dense), rtol=1e-9, atol=1e-12)
-    kron_order = S.eigenvalues(op)
+    trace, frobenius, logdet, kron_order = spectra["op"]
+    np.testing.assert_allclose(trace, np.trace(dense), rtol=1e-10)
+    np.testing.assert_allclose(frobenius, np.linalg.norm(dense), rtol=1e-10)
+    np.testing.assert_allclose(logdet, np.linalg.slogdet(dense)[1], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(
+        np.sort(kron_order), np.linalg.eigvalsh(dense), rtol=1e-9, atol=1e-12
+    )
     factor_eigs = [np.linalg.eigvalsh(f) for f in factors]
     np.testing.assert_allclose(kron_order, _dense_kron_vectors(factor_eigs), rtol=1e-9, atol=1e-12)
-    damped = op + damping * lx.IdentityLinearOperator(op.in_structure())
+    trace, logdet, eigenvalues = spectra["damped"]
     damped_dense = dense + damping * np.eye(dense.shape[0])
-    np.testing.assert_allclose(S.trace(damped), np.trace(damped_dense), rtol=1e-10)
-    np.testing.assert_allclose(S.logdet(damped), np.linalg.slogdet(damped_dense)[1], rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(np.sort(S.eigenvalues(damped)), np.linalg.eigvalsh(damped_dense), rtol=1e-9)
-    other = lx.MatrixLinearOperator(jnp.asarray(_psd(rng, 3)), PSD)
-    block = O.BlockDiagonalOperator([op, other])
+    np.testing.assert_allclose(trace, np.trace(damped_dense), rtol=1e-10)
+    np.testing.assert_allclose(logdet, np.linalg.slogdet(damped_dense)[1], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(np.sort(eigenvalues), np.linalg.eigvalsh(damped_dense), rtol=1e-9)
+    trace, frobenius, logdet, eigenvalues = spectra["block"]
     block_dense = _block_diag([dense, np.asarray(other.matrix)])
-    np.testing.assert_allclose(S.trace(block), np.trace(block_dense), rtol=1e-10)
-    np.testing.assert_allclose(S.frobenius_norm(block), np.linalg.norm(block_dense), rtol=1e-10)
-    np.testing.assert_allclose(S.logdet(block), np.linalg.slogdet(block_dense)[1], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(trace, np.trace(block_dense), rtol=1e-10)
+    np.testing.assert_allclose(frobenius, np.linalg.norm(block_dense), rtol=1e-10)
+    np.testing.assert_allclose(logdet, np.linalg.slogdet(block_dense)[1], rtol=1e-10, atol=1e-10)
     expected = np.concatenate([kron_order, np.linalg.eigvalsh(other.matrix)])
-    np.testing.assert_allclose(S.eigenvalues(block), expected, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(eigenvalues, expected, rtol=1e-9, atol=1e-12)
 
 
 def _dense_kron_vectors(vectors):
@@ -446,7 +516,7 @@ def test_block_spd_inverse_matches_numpy(seed, n):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, n + 3))
     matrix = x @ x.T / n + 1e-2 * np.eye(n)
-    inverse = KR.pi_adjusted_inverse([jnp.asarray(matrix)], 0.0).factors[0]
+    (inverse,) = _inversions([jnp.asarray(matrix)], 0.0)[1]
     np.testing.assert_allclose(np.asarray(inverse) @ matrix, np.eye(n), atol=1e-9)
     np.testing.assert_allclose(inverse, np.linalg.inv(matrix), rtol=1e-8, atol=1e-10)
 
@@ -456,8 +526,9 @@ def test_inverse_of_large_singular_matrix_falls_back_to_floored_eigenvalues():
     # recursion, and the floored eigendecomposition gives a generalised inverse (A X A = A).
     x = np.random.default_rng(0).standard_normal((300, 5))
     a = x @ x.T
-    assert not np.all(np.isfinite(np.asarray(KR._block_spd_inverse(jnp.asarray(a)))))
-    inverse = np.asarray(KR.pi_adjusted_inverse([jnp.asarray(a)], 0.0).factors[0])
+    block_inverse, (inverse,) = _inversions([jnp.asarray(a)], 0.0)
+    assert not np.all(np.isfinite(np.asarray(block_inverse)))
+    inverse = np.asarray(inverse)
     assert np.all(np.isfinite(inverse))
     np.testing.assert_allclose(inverse, inverse.T, atol=1e-10 * np.abs(inverse).max())
     assert np.linalg.eigvalsh(inverse).min() > 0

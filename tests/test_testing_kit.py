@@ -143,12 +143,19 @@ def test_spd_matrices_have_the_promised_conditioning(matrix, diagonal):
     assert diagonal.max() / diagonal.min() <= 10.0 * (1 + 1e-8)
 
 
+@eqx.filter_jit
+def _dense_matrix(block, state):
+    """`to_dense_matrix` under jit: one program per block (shared by examples with the same
+    spec) instead of dozens of eager ones."""
+    return block.to_dense_matrix(state)
+
+
 @settings(max_examples=10)
 @given(spec=kt.layer_specs(), key=kt.prng_keys())
 def test_layer_specs_fit_the_default_blocks_and_their_data(spec, key):
     block = eqx_kfac.get_default_tag_to_block_ctor(spec.tag)(spec)
     state = kt.block_state(block, key)
-    dense = np.asarray(block.to_dense_matrix(state))
+    dense = np.asarray(_dense_matrix(block, state))
     assert dense.shape == (block.dim, block.dim)
     assert np.all(np.isfinite(dense))
     np.testing.assert_allclose(dense, dense.T, atol=1e-10 * max(np.abs(dense).max(), 1))
@@ -168,7 +175,7 @@ def test_block_states_have_psd_factors_and_the_kronecker_dense_matrix(state):
     assert a[2, 2] == pytest.approx(1.0)  # the appended 1 of the bias
     order = np.argsort([o * 2 + i if i < 2 else 4 + o for i in range(3) for o in range(2)])
     expected = np.kron(a, g)[np.ix_(order, order)]
-    np.testing.assert_allclose(BLOCK.to_dense_matrix(state), expected, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(_dense_matrix(BLOCK, state), expected, rtol=1e-12, atol=1e-14)
 
 
 def test_estimation_data_shapes():
