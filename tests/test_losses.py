@@ -16,6 +16,7 @@ import jaxtyping
 import numpy as np
 import optax
 import pytest
+import hypothesis
 from hypothesis import given, settings, strategies as st
 from jax.scipy.stats import norm
 
@@ -57,39 +58,42 @@ class Case(eqx.Module):
 
 
 def make_case(kind, batch_shape, d, seed, weight=1.5, masked=False):
-    keys = jax.random.split(jax.random.key(seed), 4)
+    # The data is drawn with NumPy: JAX's random functions would compile a program for every
+    # shape here.
+    rng = np.random.default_rng(seed)
     if kind in {"categorical", "one_hot"}:
         d = max(d, 2)
-    x = jax.random.normal(keys[0], (*batch_shape, d))
+    x = jnp.asarray(rng.normal(size=(*batch_shape, d)))
     params = {"weight": jnp.asarray(weight)}
     if kind in MASKABLE:
         mask_shape = (*batch_shape, d) if kind == "bernoulli" else batch_shape
         # A random mask that always masks the first entry, so the mask tests never pass vacuously.
-        mask = jax.random.bernoulli(keys[1], 0.6, mask_shape).at[(0,) * len(mask_shape)].set(False)
-        mask = mask if masked else jnp.ones(mask_shape)
+        mask = rng.random(mask_shape) < 0.6
+        mask[(0,) * len(mask_shape)] = False
+        mask = jnp.asarray(mask if masked else np.ones(mask_shape, bool))
         params["mask"] = mask.astype(x.dtype)
         mask_arg = mask if masked else None
     if kind == "normal":
         params["variance"] = 0.7
-        t = jax.random.normal(keys[2], x.shape)
+        t = jnp.asarray(rng.normal(size=x.shape))
         loss = L.NormalMeanNegativeLogProbLoss(x, t, variance=0.7, weight=weight)
     elif kind == "squared_error":
-        t = jax.random.normal(keys[2], x.shape)
+        t = jnp.asarray(rng.normal(size=x.shape))
         loss = L.NormalMeanNegativeLogProbLoss(
             x, t, variance=0.5, weight=weight, normalize_log_prob=False
         )
     elif kind == "normal_mean_variance":
-        variance = 0.3 + jnp.exp(0.5 * jax.random.normal(keys[3], x.shape))
-        t = jax.random.normal(keys[2], x.shape)
+        variance = jnp.asarray(0.3 + np.exp(0.5 * rng.normal(size=x.shape)))
+        t = jnp.asarray(rng.normal(size=x.shape))
         loss = L.NormalMeanVarianceNegativeLogProbLoss(x, variance, t, weight=weight)
     elif kind == "bernoulli":
-        t = jax.random.bernoulli(keys[2], 0.5, x.shape).astype(x.dtype)
+        t = jnp.asarray((rng.random(x.shape) < 0.5).astype(np.float64))
         loss = L.MultiBernoulliNegativeLogProbLoss(x, t, mask=mask_arg, weight=weight)
     elif kind == "categorical":
-        t = jax.random.randint(keys[2], batch_shape, 0, d)
+        t = jnp.asarray(rng.integers(0, d, batch_shape))
         loss = L.CategoricalLogitsNegativeLogProbLoss(x, t, mask=mask_arg, weight=weight)
     else:
-        t = jax.nn.one_hot(jax.random.randint(keys[2], batch_shape, 0, d), d)
+        t = jnp.asarray(np.eye(d)[rng.integers(0, d, batch_shape)])
         loss = L.OneHotCategoricalLogitsNegativeLogProbLoss(x, t, mask=mask_arg, weight=weight)
     return Case(kind, loss, params)
 
@@ -164,6 +168,12 @@ shapes = st.tuples(
     st.sampled_from([(3,), (2, 3), (1, 2)]), st.sampled_from([1, 3]), st.integers(0, 10**6)
 )
 cases = dict(shape=shapes, weight=st.floats(0.1, 3.0), masked=st.booleans())
+# One seed for the property tests below, so that they draw the same cases and each case is
+# computed (and compiled) once and checked by every property: the simplest case (one batch axis,
+# one output, no mask) and a second one (with this seed and Hypothesis 6.170: batch shape (2, 3),
+# three outputs, masked). (Under the suite's derandomised profile each test drew its own second
+# case, so the cases were computed once per test; each property still sees two cases.)
+same_cases = hypothesis.seed(9)
 
 
 def _one_hot_array(shape, i):
@@ -213,6 +223,7 @@ def quantities(kind, shape, weight, masked):
 
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=2)
+@same_cases
 @given(**cases)
 def test_products_equal_factor_products(kind, shape, weight, masked):
     _, q = quantities(kind, shape, weight, masked)
@@ -224,6 +235,7 @@ def test_products_equal_factor_products(kind, shape, weight, masked):
 
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=2)
+@same_cases
 @given(**cases)
 def test_replicated_one_hot(kind, shape, weight, masked):
     case, q = quantities(kind, shape, weight, masked)
@@ -248,6 +260,7 @@ def test_replicated_one_hot(kind, shape, weight, masked):
 
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=2)
+@same_cases
 @given(**cases)
 def test_fisher_is_expected_hessian(kind, shape, weight, masked):
     _, q = quantities(kind, shape, weight, masked)
@@ -256,6 +269,7 @@ def test_fisher_is_expected_hessian(kind, shape, weight, masked):
 
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=2)
+@same_cases
 @given(**cases)
 def test_ggn_is_hessian_of_evaluate(kind, shape, weight, masked):
     _, q = quantities(kind, shape, weight, masked)
@@ -268,6 +282,7 @@ def test_ggn_is_hessian_of_evaluate(kind, shape, weight, masked):
 
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=2)
+@same_cases
 @given(**cases)
 def test_evaluate_and_gradient_match_reference(kind, shape, weight, masked):
     _, q = quantities(kind, shape, weight, masked)
@@ -282,6 +297,7 @@ def test_evaluate_and_gradient_match_reference(kind, shape, weight, masked):
 
 @pytest.mark.parametrize("kind", sorted(MASKABLE))
 @settings(max_examples=2)
+@same_cases
 @given(shape=shapes, weight=st.floats(0.1, 3.0))
 def test_masks_zero_masked_examples(kind, shape, weight):
     case, q = quantities(kind, shape, weight, True)
@@ -511,9 +527,15 @@ def test_squared_error_curvature_is_that_of_the_stated_loss():
     )
     stated = lambda p: weight * jnp.sum((t - p) ** 2)
     _close(jnp.sum(loss.evaluate()), stated(p))
-    hessian = jax.hessian(lambda v: stated(v.reshape(p.shape)))(p.ravel())
-    _close(dense_input_map(loss.multiply_ggn, loss), hessian)
-    _close(dense_input_map(loss.multiply_fisher, loss), hessian)
+
+    @eqx.filter_jit
+    def matrices(loss):
+        hessian = jax.hessian(lambda v: stated(v.reshape(p.shape)))(p.ravel())
+        return hessian, dense_input_map(loss.multiply_ggn, loss), dense_input_map(loss.multiply_fisher, loss)
+
+    hessian, ggn, fisher = matrices(loss)
+    _close(ggn, hessian)
+    _close(fisher, hessian)
 
 
 def test_register_errors_and_masks(without_runtime_typecheck):
