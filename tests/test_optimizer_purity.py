@@ -1,6 +1,7 @@
 """`step` is pure: same result inside a user's jit, compiled once, checkpoints resume bit-for-bit,
 non-finite steps change nothing, and the registration report is logged."""
 
+import functools as ft
 import io
 import logging
 
@@ -83,6 +84,12 @@ def test_compiler_options_reach_the_directly_called_step_only():
     xla_defaults = _optimizer(compiler_options=None)
     _assert_trees_equal(inside, xla_defaults.step(PROBLEM.params, state0, key, batch=BATCH))
     _assert_trees_equal(OPT.step(PROBLEM.params, state0, key, batch=BATCH), inside)
+    # The burn-in from a data iterator compiles apart, and also leaves options to the user's jit.
+    def from_iterator(opt, p, s):
+        return opt.step(p, s, key, data_iterator=iter([BATCH] * 3), global_step_int=0)
+
+    inside = eqx.filter_jit(ft.partial(from_iterator, bogus))(PROBLEM.params, state0)
+    _assert_trees_equal(inside, from_iterator(xla_defaults, PROBLEM.params, state0))
 
 def test_checkpoint_resume_is_bit_identical():
     keys = [jax.random.key(i) for i in range(4)]

@@ -41,6 +41,14 @@ def _jit(fn: Callable[..., Any], donate: str, options: tuple[tuple[str, Any], ..
     return eqx.filter_jit(fn, donate=donate, compiler_options=dict(options) or None)
 
 
+def _compiled(optimizer: AbstractOptimizer, fn: Callable[..., Any], donate: str, *args: Any) -> Any:
+    """`fn(*args)` compiled with the optimizer's compiler options, or without them inside a
+    user's trace: JAX takes compiler options on an outermost `jit` only, and there the user's
+    apply."""
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args))
+    return _jit(fn, donate, () if traced else optimizer.compiler_options)(*args)
+
+
 # --- multi-device: the `shard_map` step, the sharded (SPMD) step and its initial state ---------
 
 
@@ -125,15 +133,13 @@ def compiled_step(
 
     The step's outputs.
     """
-    # JAX takes compiler options on an outermost `jit` only: inside a user's, the user's apply.
-    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args))
-    options = () if traced else optimizer.compiler_options
     if calibrating or not optimizer.donated:
-        return _jit(_jitted_step, "none", options)(optimizer, args, burnin_in_graph, calibrating)
+        return _compiled(optimizer, _jitted_step, "none", optimizer, args, burnin_in_graph, calibrating)
     kept = tuple(None if i in optimizer.donated else a for i, a in enumerate(args))
     donated = tuple(a if i in optimizer.donated else None for i, a in enumerate(args))
-    donating_step = _jit(_jitted_donating_step, "all-except-first", options)
-    return donating_step(kept, donated, optimizer, burnin_in_graph)
+    return _compiled(
+        optimizer, _jitted_donating_step, "all-except-first", kept, donated, optimizer, burnin_in_graph
+    )
 
 
 def _jitted_burnin(optimizer, params, state, key, batch, func_state):
@@ -144,5 +150,4 @@ def jitted_burnin(
     optimizer: AbstractOptimizer, params: Any, state: OptimizerState, key: Any, batch: Any, func_state: Any
 ) -> OptimizerState:
     """One compiled burn-in curvature update (`optimizer_step.burnin_update`), never donating."""
-    burnin = _jit(_jitted_burnin, "none", optimizer.compiler_options)
-    return burnin(optimizer, params, state, key, batch, func_state)
+    return _compiled(optimizer, _jitted_burnin, "none", optimizer, params, state, key, batch, func_state)
