@@ -9,26 +9,10 @@
 # Writes $OUT/log.txt (everything printed), $OUT/examples.md (each example's tables, appended as
 # it finishes). Argument: the deadline in seconds (default 500).
 set -u
-deadline=$(( $(date +%s) + ${1:-500} ))
-OUT=${OUT:-benchmarks/results/device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-log=$OUT/log.txt
-scratch=$(mktemp -d)
+source benchmarks/device_common.sh "${1:-500}" log.txt
+: > "$log"
 
-left() { echo $(( deadline - $(date +%s) )); }
-
-timed() {  # timed NAME COMMAND...: runs COMMAND within the deadline, logging its output.
-    local name=$1; shift
-    local seconds; seconds=$(left)
-    if (( seconds < 20 )); then echo "== $name: skipped, ${seconds} s left" | tee -a "$log"; return; fi
-    echo "== $name (at most ${seconds} s)" | tee -a "$log"
-    local start; start=$(date +%s)
-    timeout "$seconds" "$@" 2>&1 | tee -a "$log"
-    echo "== $name: code ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$log"
-}
-
-python3 -c "import jax, equinox, eqx_kfac; print('jax', jax.__version__, 'equinox', equinox.__version__, jax.devices())" 2>&1 | tee "$log"
+python3 -c "import jax, equinox, eqx_kfac; print('jax', jax.__version__, 'equinox', equinox.__version__, jax.devices())" 2>&1 | tee -a "$log"
 nvidia-smi -L 2>&1 | tee -a "$log"
 for name in mnist_cnn diffusion_mixer; do
     timed "$name" python3 benchmarks/examples.py --examples "$name" --save "$scratch/$name.md"

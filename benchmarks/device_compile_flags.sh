@@ -8,26 +8,19 @@
 # at the deadline's remaining seconds (argument, default 270). Writes $OUT/flags_log.txt and
 # prints each run's first-call table (setup, trace, lower, compile, run).
 set -u
-deadline=$(( $(date +%s) + ${1:-270} ))
-OUT=${OUT:-benchmarks/results/device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-log=$OUT/flags_log.txt
-cache=$(mktemp -d)
+source benchmarks/device_common.sh "${1:-270}" flags_log.txt
+: > "$log"
 
 example() {  # example LABEL NAME STEPS [VAR=VALUE...]: one example's run, its first-call table.
     local label=$1 name=$2 steps=$3; shift 3
-    local seconds=$(( deadline - $(date +%s) ))
-    if (( seconds < 20 )); then echo "== $label: skipped, ${seconds} s left" | tee -a "$log"; return; fi
-    echo "== $label ($*)" | tee -a "$log"
-    env "$@" timeout "$seconds" python3 benchmarks/examples.py --examples "$name" --steps "$steps" \
-        --save "$cache/$label.md" >> "$log" 2>&1
-    grep -A6 "| setup s" "$cache/$label.md" 2>/dev/null | tee -a "$log" || echo "(no result)" | tee -a "$log"
+    timed "$label ($*)" env "$@" python3 benchmarks/examples.py --examples "$name" --steps "$steps" \
+        --save "$scratch/$label.md" > /dev/null
+    grep -A6 "| setup s" "$scratch/$label.md" 2>/dev/null | tee -a "$log" || echo "(no result)" | tee -a "$log"
 }
 
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$log"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$log"
 example rnn rnn 20
-example cache_cold mnist_cnn 10 JAX_COMPILATION_CACHE_DIR="$cache/jax" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-example cache_warm mnist_cnn 10 JAX_COMPILATION_CACHE_DIR="$cache/jax" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+example cache_cold mnist_cnn 10 JAX_COMPILATION_CACHE_DIR="$scratch/jax" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+example cache_warm mnist_cnn 10 JAX_COMPILATION_CACHE_DIR="$scratch/jax" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 example autotune_0 mnist_cnn 10 XLA_FLAGS=--xla_gpu_autotune_level=0
 example no_triton_gemm mnist_cnn 10 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false
