@@ -375,6 +375,7 @@ def plot(problem: Problem, runs: list[Run], path: str) -> None:
         axes[1].plot(np.maximum(s[1:], 1), e[1:], label=run.name, **style)
     for ax, xlabel in zip(axes, ("seconds (from the first call)", "steps")):
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
