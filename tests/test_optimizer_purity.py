@@ -91,6 +91,7 @@ def test_compiler_options_reach_the_directly_called_step_only():
     inside = eqx.filter_jit(ft.partial(from_iterator, bogus))(PROBLEM.params, state0)
     _assert_trees_equal(inside, from_iterator(xla_defaults, PROBLEM.params, state0))
 
+
 def test_checkpoint_resume_is_bit_identical():
     keys = [jax.random.key(i) for i in range(4)]
     state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
