@@ -148,12 +148,9 @@ def poisson2d(quick: bool, budget: float, seed: int = 0) -> Problem:
 POISSON5D_POINTS = (4000, 1000)
 
 
-def _parameter_count(sizes: tuple[int, ...]) -> int:
-    return sum((n_in + 1) * n_out for n_in, n_out in zip(sizes[:-1], sizes[1:]))
-
-
 def poisson5d(
-    quick: bool, budget: float, seed: int = 0, sizes: tuple[int, ...] = (5, 64, 64, 48, 48, 1)
+    quick: bool, budget: float, seed: int = 0, sizes: tuple[int, ...] = (5, 64, 64, 48, 48, 1),
+    name: str = "poisson5d",
 ) -> Problem:
     solution = lambda x: jnp.sum(jnp.cos(jnp.pi * x), axis=-1)  # noqa: E731
     n_in, n_bd = (1000, 250) if quick else POISSON5D_POINTS
@@ -166,17 +163,18 @@ def poisson5d(
 
     key = jax.random.key(1)
     x_ev = jax.random.uniform(jax.random.split(key, 3)[2], (3000 if quick else 30000, 5))
-    name = "poisson5d" if sizes == (5, 64, 64, 48, 48, 1) else "poisson5d_wide"
-    title = f"5-D Poisson ({'-'.join(map(str, sizes))}, {_parameter_count(sizes):,} parameters)"
+    model = _mlp(sizes, seed)
+    count = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    title = f"5-D Poisson ({'-'.join(map(str, sizes))}, {count:,} parameters)"
     return Problem(
-        name, title, _mlp(sizes, seed), draw(key), draw, _loss(None, lambda o: -o.laplacian), x_ev,
+        name, title, model, draw(key), draw, _loss(None, lambda o: -o.laplacian), x_ev,
         solution(x_ev), budget,
     )
 
 
 def poisson5d_wide(quick: bool, budget: float, seed: int = 0) -> Problem:
     """The 5-D problem with every hidden layer twice as wide: 39,073 parameters."""
-    return poisson5d(quick, budget, seed, sizes=(5, 128, 128, 96, 96, 1))
+    return poisson5d(quick, budget, seed, sizes=(5, 128, 128, 96, 96, 1), name="poisson5d_wide")
 
 
 KAPPA = 0.25
@@ -260,6 +258,7 @@ def _optax_method(make: Callable[[Problem], optax.GradientTransformation], extra
 
 def _kfac_star(problem: Problem):
     params, static = _split(problem)
+    refresh_period = 1 if problem.resample else 5
     optimizer = eqx_kfac.Optimizer(
         eqx.filter_value_and_grad(problem.loss), l2_reg=0.0,
         use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
@@ -269,8 +268,8 @@ def _kfac_star(problem: Problem):
         # points it also changes only as the parameters do: refreshing it (a second backward
         # pass through the Taylor network) every fifth step buys more steps than it costs.
         curvature_ema=0.95 if problem.resample else 0.0,
-        curvature_update_period=1 if problem.resample else 5,
-        inverse_update_period=1 if problem.resample else 5, estimation_mode="ggn_exact",
+        curvature_update_period=refresh_period, inverse_update_period=refresh_period,
+        estimation_mode="ggn_exact",
         layer_tag_to_block_ctor={"taylor_dense": eqx_kfac.TaylorDenseKroneckerSum},
     )
     state = optimizer.init(problem.model, jax.random.key(0), problem.batch)
