@@ -154,13 +154,18 @@ def test_kronecker_sum_inverts_its_damped_sum_exactly(getkey):
         # damped Kronecker products), cached or not.
         product = block.multiply(state, vector, damping, exact_power=False)
         inverse = block.multiply_inverse(state, product, damping, exact_power=False)
-        cached_state = eqx.tree_at(lambda s: s.factors, block.init(approx_powers_to_cache=-1), state.factors)
-        cached_state = block.update_cache(cached_state, damping, approx_powers=-1)
+        initial = eqx.tree_at(lambda s: s.factors, block.init(approx_powers_to_cache=-1), state.factors)
+        cached_state = block.update_cache(initial, damping, approx_powers=-1)
         cached = block.multiply_inverse(cached_state, product, damping, exact_power=False, use_cached=True)
+        # Before its first refresh the cache holds a zero inverse (finite, like other blocks').
+        unrefreshed = block.multiply_inverse(initial, product, damping, exact_power=False, use_cached=True)
         exact = block.multiply(state, vector, damping, exact_power=True)
-        return inverse, cached, exact, block.to_dense_matrix(state)
+        return inverse, cached, unrefreshed, exact, block.to_dense_matrix(state), initial, cached_state
 
-    inverse, cached, exact, dense = products(state, vector)
+    inverse, cached, unrefreshed, exact, dense, initial, refreshed = products(state, vector)
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+    assert shapes(initial.cache) == shapes(refreshed.cache)
+    np.testing.assert_array_equal(ravel_pytree(unrefreshed)[0], np.zeros_like(flat))
     np.testing.assert_allclose(ravel_pytree(inverse)[0], flat, rtol=1e-9)
     np.testing.assert_allclose(ravel_pytree(cached)[0], flat, rtol=1e-9)
     np.testing.assert_allclose(ravel_pytree(exact)[0], dense @ flat + damping * flat, rtol=1e-10)
