@@ -80,9 +80,11 @@ def _maybe_sharded(optimizer: AbstractOptimizer, fn: Callable[..., Any], *args: 
 def initial_state(
     optimizer: AbstractOptimizer, build: Callable[..., OptimizerState], *args: Any
 ) -> OptimizerState:
-    """`build(*args)`, the optimizer's initial state; with `shard_state`, built by one compiled
-    program whose outputs are laid out by `sharding_by_size` (no device holds the whole state, not
-    even while it is created).
+    """`build(*args)`, the optimizer's initial state, built by one compiled program: run eagerly,
+    every array of a new shape that it creates compiles a program of its own (the benchmark
+    autoencoder's `init`: 1.8 s eagerly, 1.0 s compiled as one). With `shard_state` the program's
+    outputs are laid out by `sharding_by_size` (no device holds the whole state, not even while it
+    is created).
 
     **Arguments:**
 
@@ -95,7 +97,7 @@ def initial_state(
     The state.
     """
     if not (optimizer.multi_device and optimizer.shard_state):
-        return build(*args)
+        return eqx.filter_jit(build)(*args)
     mesh = device_mesh(optimizer)
     return eqx.filter_jit(lambda *a: _distributed.lay_out(build(*a), mesh, _is_state))(*args)
 

@@ -257,9 +257,13 @@ class _PreconditionerTransform(eqx.Module):
 
     def init(self, params: PyTree) -> KFACPreconditionerState:
         del params
-        return KFACPreconditionerState(
-            jnp.zeros((), jnp.int32), self.preconditioner.init(self.estimator)
-        )
+        # One compiled program builds the state: run eagerly, every array of a new shape would
+        # compile a program of its own (see `initial_state`).
+        return eqx.filter_jit(
+            lambda: KFACPreconditionerState(
+                jnp.zeros((), jnp.int32), self.preconditioner.init(self.estimator)
+            )
+        )()
 
     def _func_args(self, params: Any, batch: Any, loss_args: Any) -> tuple[Any, ...]:
         if params is None:
