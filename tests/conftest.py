@@ -33,6 +33,29 @@ def _release_compiled_programs():
 
 
 @pytest.fixture
+def xla_compilations():
+    """A function `count(fn)`: how many programs XLA compiles while `fn()` runs, counted after
+    `jax.clear_caches()` (so nothing compiled earlier, by shape or otherwise, is reused)."""
+
+    def count(fn):
+        jax.clear_caches()
+        compiles = []
+
+        def listener(event, seconds, **kwargs):
+            if event == "/jax/core/compile/backend_compile_duration":
+                compiles.append(event)
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            fn()
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        return len(compiles)
+
+    return count
+
+
+@pytest.fixture
 def getkey():
     """Returns a function that hands out a fresh PRNG key on every call (deterministic per test)."""
     key = jax.random.key(0)

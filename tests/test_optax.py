@@ -84,6 +84,15 @@ def test_chain_matches_optimizer(settings, getkey):
         _close(a, b)
 
 
+def test_kfac_optax_init_compiles_one_program(getkey, xla_compilations):
+    # Built op by op (the momentum, the guard's counters around the preconditioner's state),
+    # every array of a new shape compiles a program of its own: 7 for this MLP that way.
+    model, batches, loss_fn = _problem(getkey())
+    transform = eqx_kfac.kfac_optax(loss_fn, (model, batches[0]), momentum=0.9)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    assert xla_compilations(lambda: transform.init(params)) == 1
+
+
 def test_schedules_match_optimizer(getkey):
     """Learning rate before momentum (`scale_by_schedule`, then `trace`) matches kfac-jax."""
     model, batches, loss_fn = _problem(getkey())

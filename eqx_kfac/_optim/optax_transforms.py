@@ -430,4 +430,6 @@ def kfac_optax(
         *([] if momentum is None else [optax.trace(momentum)]),
         optax.scale_by_learning_rate(learning_rate),
     )
-    return skip_non_finite(chain, max_consecutive_faults)
+    guarded = skip_non_finite(chain, max_consecutive_faults)
+    # One compiled program builds the whole chain's state (see `KFACPreconditioner.init`).
+    return guarded._replace(init=eqx.filter_jit(guarded.init))
