@@ -97,6 +97,11 @@ def _boundary_points(key: jax.Array, count: int, dim: int) -> jax.Array:
     return jnp.where(jnp.arange(dim)[None, :] == axis[:, None], side[:, None], x)
 
 
+def parameter_count(model: Any) -> int:
+    """The number of trained numbers in `model` (its inexact arrays)."""
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+
 def _mlp(sizes: tuple[int, ...], seed: int) -> Any:
     """A tanh MLP `sizes[0] -> ... -> 1` (scalar output), initialised from `jax.random.key(seed)`."""
     key = jax.random.key(seed)
@@ -164,8 +169,7 @@ def poisson5d(
     key = jax.random.key(1)
     x_ev = jax.random.uniform(jax.random.split(key, 3)[2], (3000 if quick else 30000, 5))
     model = _mlp(sizes, seed)
-    count = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-    title = f"5-D Poisson ({'-'.join(map(str, sizes))}, {count:,} parameters)"
+    title = f"5-D Poisson ({'-'.join(map(str, sizes))}, {parameter_count(model):,} parameters)"
     return Problem(
         name, title, model, draw(key), draw, _loss(None, lambda o: -o.laplacian), x_ev,
         solution(x_ev), budget,
@@ -429,7 +433,7 @@ def main() -> None:
         if args.resample is not None and (not args.resample or name in args.resample):
             problem = dataclasses.replace(problem, resample=True)
         names = args.methods or [m for m in methods(problem) if m not in skipped]
-        print(f"{problem.title}: {sum(x.size for x in jax.tree.leaves(_split(problem)[0]))} parameters", flush=True)
+        print(f"{problem.title}: {parameter_count(problem.model)} parameters", flush=True)
         runs = run_problem(problem, args.slices or (6 if args.quick else 20), names)
         print(table(problem, runs))
         print(ratios(problem, runs), flush=True)

@@ -431,5 +431,5 @@ def kfac_optax(
         optax.scale_by_learning_rate(learning_rate),
     )
     guarded = skip_non_finite(chain, max_consecutive_faults)
-    # One compiled program builds the whole chain's state (see `KFACPreconditioner.init`).
+    # One compiled program builds the whole chain's state (see `_PreconditionerTransform.init`).
     return guarded._replace(init=eqx.filter_jit(guarded.init))
