@@ -1,14 +1,16 @@
 """The step's in-graph control flow and gates (internal helpers, tested on purpose): `apply_if`
-and `periodic` take the branch they should, `all_finite` sees every inexact leaf."""
+and `periodic` take the branch they should, `all_finite` sees every inexact leaf, and
+`inner_products` (the quadratic model's one pass over the leaves) matches `optax.tree.vdot`."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from eqx_kfac._core.control_flow import apply_if, periodic
-from eqx_kfac._core.tree import all_finite
+from eqx_kfac._core.tree import all_finite, inner_products
 
 
 def _refresh(tree):
@@ -65,3 +67,30 @@ def test_all_finite():
     assert bool(all_finite({"a": jnp.ones(2), "b": None, "n": jnp.arange(3)}))
     assert not bool(all_finite({"a": jnp.array([1.0, jnp.inf])}))
     assert not bool(all_finite([jnp.ones(2), jnp.array(jnp.nan)]))
+    # Several trees, leaves of one shape read together: a fault in any of them is seen, an
+    # infinity beside a NaN too, and a float64 number beyond float32's range is finite.
+    ones = {"w": jnp.ones((3, 2)), "v": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    assert bool(all_finite(ones, ones))
+    for leaf, value in [("w", jnp.inf), ("v", -jnp.inf), ("b", jnp.nan)]:
+        bad = dict(ones, **{leaf: ones[leaf].at[0].set(value)})
+        assert not bool(all_finite(ones, bad)) and not bool(all_finite(bad, ones))
+    both = dict(ones, w=ones["w"].at[0, 0].set(jnp.inf), v=ones["v"].at[0, 0].set(-jnp.inf))
+    assert not bool(all_finite(both))
+    assert bool(all_finite(jnp.array([1e300, -1e300], jnp.float64)))
+
+
+def test_inner_products_match_vdot(getkey):
+    def tree():
+        return {
+            "w": jax.random.normal(getkey(), (4, 3)),
+            "b": jax.random.normal(getkey(), (3,)),
+            "n": jnp.arange(2),
+        }
+
+    a, b, c = tree(), tree(), tree()
+    pairs = [(a, b), (a, a), (c, b)]
+    got = inner_products(pairs)
+    inexact = lambda t: {k: v for k, v in t.items() if k != "n"}  # noqa: E731
+    want = [optax.tree.vdot(inexact(x), inexact(y)) for x, y in pairs]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert got.dtype == jnp.float64

@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, PyTree
+from jaxtyping import Array, Bool, Float, PyTree
 
 
 def flat_rows(trees: Sequence[PyTree[Array]], batch_dims: int = 0) -> Array:
@@ -14,8 +14,10 @@ def flat_rows(trees: Sequence[PyTree[Array]], batch_dims: int = 0) -> Array:
     `(len(trees), D)`, in the promoted dtype of all leaves; with `batch_dims=1`, each tree's
     leaves share a leading axis of rows, which is kept (`(len(trees) · rows, D)`).
 
-    One concatenated array instead of one operation per leaf: reductions and inner products over
-    a PyTree then compile to one kernel (XLA compiles each per-leaf reduction into several).
+    One concatenated array instead of one operation per leaf, so that a product of all the rows
+    is one matrix product; the concatenation copies every leaf, so for large trees (parameters,
+    curvature statistics) `inner_products` and `all_finite`, which read the leaves in place,
+    cost less.
 
     **Arguments:**
 
@@ -38,21 +40,66 @@ def flat_rows(trees: Sequence[PyTree[Array]], batch_dims: int = 0) -> Array:
     )
 
 
-def all_finite(tree: PyTree) -> Bool[Array, ""]:
-    """Whether every inexact array leaf of `tree` is finite (no NaN or infinity).
+def _inexact_leaves(tree: PyTree) -> list[Array]:
+    return [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
+
+
+def sums(arrays: Sequence[Array]) -> Array:
+    """The sums of arrays of one shape and dtype, in one variadic reduction (a vector).
+
+    XLA fuses elementwise producers into it: `sums([a * b, a * c])` reads `a`, `b` and `c` once
+    and writes two numbers, where `jnp.sum(jnp.stack(...))` would write the stack first.
+    """
+    dims = tuple(range(arrays[0].ndim))
+    zeros = tuple(jnp.zeros((), x.dtype) for x in arrays)
+    add = lambda xs, ys: tuple(x + y for x, y in zip(xs, ys))  # noqa: E731
+    return jnp.stack(jax.lax.reduce(tuple(arrays), zeros, add, dims))
+
+
+def inner_products(pairs: Sequence[tuple[PyTree[Array], PyTree[Array]]]) -> Float[Array, " n"]:
+    """The inner products `⟨a_k, b_k⟩` of PyTree pairs, in the promoted dtype of all leaves.
+
+    Each leaf position is read once for all the pairs (one reduction, `sums`), and no leaf is
+    copied (a concatenation of the leaves would copy every vector).
 
     **Arguments:**
 
-    - `tree`: any PyTree; non-array and integer leaves are ignored.
+    - `pairs`: `(a_k, b_k)` pairs of PyTrees, all of the same structure.
+
+    **Returns:**
+
+    A vector with one inner product per pair.
+    """
+    lefts = [_inexact_leaves(a) for a, _ in pairs]
+    rights = [_inexact_leaves(b) for _, b in pairs]
+    dtype = jnp.result_type(*[x for leaves in lefts + rights for x in leaves], jnp.float32)
+    total = jnp.zeros(len(pairs), dtype)
+    for position in zip(*lefts, *rights):
+        a, b = position[: len(pairs)], position[len(pairs) :]
+        total = total + sums([x.astype(dtype) * y.astype(dtype) for x, y in zip(a, b)])
+    return total
+
+
+def all_finite(*trees: PyTree) -> Bool[Array, ""]:
+    """Whether every inexact array leaf of `trees` is finite (no NaN or infinity).
+
+    One reduction per distinct leaf shape, and no copy: `x * 0` is 0 for a finite number and
+    NaN otherwise, so the sum over the leaves of one shape of `x * 0` is finite exactly when they
+    all are (`all_finite(grads, update)` reads each pair of leaves in one pass).
+
+    **Arguments:**
+
+    - `trees`: any PyTrees; non-array and integer leaves are ignored.
 
     **Returns:**
 
     A boolean scalar.
     """
-    leaves = [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
-    if not leaves:
-        return jnp.asarray(True)
-    return jnp.all(jnp.isfinite(jnp.concatenate([jnp.ravel(x).astype(jnp.result_type(*leaves)) for x in leaves])))
+    by_shape: dict[tuple[int, ...], Array] = {}
+    for x in _inexact_leaves(trees):
+        zero = x * jnp.zeros((), x.dtype)
+        by_shape[x.shape] = zero if x.shape not in by_shape else by_shape[x.shape] + zero
+    return jnp.isfinite(sum((jnp.sum(z) for z in by_shape.values()), jnp.zeros((), jnp.float32)))
 
 
 def scale_keeping_dtypes(tree: PyTree[Array], factor: ArrayLike) -> PyTree[Array]:

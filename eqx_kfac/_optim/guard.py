@@ -100,7 +100,7 @@ class StepGuard(eqx.Module):
         A `GuardDecision`.
         """
         if self.skip_non_finite:
-            skipped = ~(jnp.isfinite(loss) & all_finite(grads) & all_finite(delta))
+            skipped = ~(jnp.isfinite(loss) & all_finite(grads, delta))
         else:
             skipped = jnp.zeros((), bool)
         if self.reject_loss_increase:

@@ -24,7 +24,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PyTree
 
 from .._core import distributed as _distributed
-from .._core.tree import flat_rows
+from .._core.tree import flat_rows, inner_products
 from .hyperparameters import CoefficientRange
 from .step_context import StepContext
 
@@ -65,8 +65,8 @@ def gram_matrix(
     """The symmetric matrix of inner products `M[i, j] = ⟨vectors[i], others[j]⟩`.
 
     Only `i <= j` is taken; the rest is mirrored, which is exact when `others[j]` is `S
-    vectors[j]` for a symmetric `S` (or `others` is `vectors`). All the products are one matrix
-    product of the concatenated vectors.
+    vectors[j]` for a symmetric `S` (or `others` is `vectors`). Every leaf is read once for
+    all the products (`inner_products`).
 
     **Arguments:**
 
@@ -77,11 +77,22 @@ def gram_matrix(
 
     An `(n, n)` matrix.
     """
-    rows = flat_rows(vectors)
-    columns = rows if others is None else flat_rows(others)
-    products = jnp.matmul(rows, columns.T, precision=jax.lax.Precision.HIGHEST)
-    upper = jnp.triu(products)
-    return upper + jnp.triu(products, 1).T
+    return _symmetric(inner_products(_upper_pairs(vectors, others)), len(vectors))
+
+
+def _upper_pairs(vectors: Sequence[Any], others: Sequence[Any] | None) -> list[tuple[Any, Any]]:
+    """The pairs `(vectors[i], others[j])` for `i <= j`, row by row."""
+    others = vectors if others is None else others
+    n = len(vectors)
+    return [(vectors[i], others[j]) for i in range(n) for j in range(i, n)]
+
+
+def _symmetric(upper: Array, n: int) -> Array:
+    """The symmetric `(n, n)` matrix whose upper triangle, row by row, is `upper`."""
+    position = {pair: k for k, pair in enumerate((i, j) for i in range(n) for j in range(i, n))}
+    return jnp.stack(
+        [jnp.stack([upper[position[min(i, j), max(i, j)]] for j in range(n)]) for i in range(n)]
+    )
 
 
 def quadratic_model(
@@ -102,8 +113,11 @@ def quadratic_model(
 
     A `QuadraticModel` (every parameter is L2-regularised, so `r = d = Vᵀ V`).
     """
-    gram = gram_matrix(vectors)
-    b = jnp.matmul(flat_rows(vectors), flat_rows([grads])[0], precision=jax.lax.Precision.HIGHEST)
+    # The Gram matrix and `b` in one pass over the leaves.
+    n = len(vectors)
+    pairs = _upper_pairs(vectors, None)
+    products = inner_products(pairs + [(v, grads) for v in vectors])
+    gram, b = _symmetric(products[: len(pairs)], n), products[len(pairs) :]
     dtype = jnp.result_type(curvature, gram, b)
     gram = gram.astype(dtype)
     return QuadraticModel(curvature.astype(dtype), gram, gram, b.astype(dtype))
