@@ -141,9 +141,12 @@ def make_runner(method, model, x):
 
     def lower():
         # The batch is an argument, as in Adam's step (a closed-over batch is a constant that
-        # XLA spends seconds folding into the factor statistics).
-        step = eqx.filter_jit(lambda p, s, k, b: opt.step(p, s, k, batch=b, **hyper))
-        return step.lower(carry[0], carry[1], carry[2], x)
+        # XLA spends seconds folding into the factor statistics), and the parameters and state
+        # are donated, as the timed step donates them (else no output reuses an input's buffer).
+        step = eqx.filter_jit(
+            lambda bk, p, s: opt.step(p, s, bk[1], batch=bk[0], **hyper), donate="all-except-first"
+        )
+        return step.lower((x, carry[2]), carry[0], carry[1])
 
     return run, lower
 
