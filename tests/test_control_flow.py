@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from eqx_kfac._core.control_flow import apply_if, periodic
-from eqx_kfac._core.tree import all_finite, inner_products
+from eqx_kfac._core.tree import SMALL_LEAF, all_finite, inner_products
+from eqx_kfac._curvature.estimators.base import _acceptable
 
 
 def _refresh(tree):
@@ -88,9 +89,28 @@ def test_inner_products_match_vdot(getkey):
         }
 
     a, b, c = tree(), tree(), tree()
+    # One leaf large enough to be reduced in place, the others concatenated.
+    for t in (a, b, c):
+        t["big"] = jax.random.normal(getkey(), (SMALL_LEAF,))
     pairs = [(a, b), (a, a), (c, b)]
     got = inner_products(pairs)
     inexact = lambda t: {k: v for k, v in t.items() if k != "n"}  # noqa: E731
     want = [optax.tree.vdot(inexact(x), inexact(y)) for x, y in pairs]
     np.testing.assert_allclose(got, want, rtol=1e-12)
     assert got.dtype == jnp.float64
+
+
+@pytest.mark.parametrize("size", [3, SMALL_LEAF])
+def test_statistics_check_sees_a_fault_or_an_outlier_in_any_statistic(size):
+    # `size` puts the faulty statistic among the concatenated small ones or the in-place large.
+    small, large = jnp.ones((4, 4)), jnp.ones((SMALL_LEAF,))
+    faulty = jnp.ones((size,))
+    pairs = [(small, small), (large, large), (faulty, faulty)]
+    assert bool(_acceptable(pairs, 1e3)) and bool(_acceptable(pairs, None))
+    for value in (jnp.nan, jnp.inf):
+        bad = pairs[:2] + [(faulty.at[0].set(value), faulty)]
+        assert not bool(_acceptable(bad, 1e3)) and not bool(_acceptable(bad, None))
+    # An outlier: the new statistics' norm over all three is more than 1e3 times the old.
+    grown = pairs[:2] + [(faulty * 1e6, faulty)]
+    assert not bool(_acceptable(grown, 1e3)) and bool(_acceptable(grown, None))
+    assert bool(_acceptable(grown, 1e7))

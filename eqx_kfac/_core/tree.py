@@ -1,6 +1,7 @@
 """PyTree helpers that optax.tree does not provide (its `vdot`, `norm` and friends are used directly)."""
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -56,11 +57,42 @@ def sums(arrays: Sequence[Array]) -> Array:
     return jnp.stack(jax.lax.reduce(tuple(arrays), zeros, add, dims))
 
 
+# Leaves with fewer elements than this are concatenated before a reduction (one compiled kernel
+# for all of them instead of one each), larger ones are reduced where they lie (a concatenation
+# would copy them): 64Ki float32 numbers copy in about the time a kernel takes to launch.
+SMALL_LEAF = 1 << 16
+
+
+def positions_by_size(positions: Sequence[tuple[Array, ...]], dtype: Any) -> list[tuple[Array, ...]]:
+    """Leaf positions (tuples of arrays of one shape) as reductions should read them: each large
+    position as it is, and the small ones (below `SMALL_LEAF` elements) as one position of
+    concatenations, raveled and cast to `dtype`.
+
+    **Arguments:**
+
+    - `positions`: tuples of arrays; the arrays of one tuple share a shape, the tuples have one
+      length.
+    - `dtype`: the dtype of the concatenations.
+
+    **Returns:**
+
+    The large positions, then (if there are small ones) the concatenated position.
+    """
+    large = [p for p in positions if p[0].size >= SMALL_LEAF]
+    small = [p for p in positions if p[0].size < SMALL_LEAF]
+    if small:
+        large.append(
+            tuple(jnp.concatenate([jnp.ravel(p[i]).astype(dtype) for p in small]) for i in range(len(small[0])))
+        )
+    return large
+
+
 def inner_products(pairs: Sequence[tuple[PyTree[Array], PyTree[Array]]]) -> Float[Array, " n"]:
     """The inner products `⟨a_k, b_k⟩` of PyTree pairs, in the promoted dtype of all leaves.
 
-    Each leaf position is read once for all the pairs (one reduction, `sums`), and no leaf is
-    copied (a concatenation of the leaves would copy every vector).
+    Each leaf position is read once for all the pairs (one reduction, `sums`), large leaves in
+    place and the small ones together (`positions_by_size`): a few kernels, and no copy of a
+    large vector.
 
     **Arguments:**
 
@@ -74,7 +106,7 @@ def inner_products(pairs: Sequence[tuple[PyTree[Array], PyTree[Array]]]) -> Floa
     rights = [_inexact_leaves(b) for _, b in pairs]
     dtype = jnp.result_type(*[x for leaves in lefts + rights for x in leaves], jnp.float32)
     total = jnp.zeros(len(pairs), dtype)
-    for position in zip(*lefts, *rights):
+    for position in positions_by_size(list(zip(*lefts, *rights)), dtype):
         a, b = position[: len(pairs)], position[len(pairs) :]
         total = total + sums([x.astype(dtype) * y.astype(dtype) for x, y in zip(a, b)])
     return total

@@ -17,7 +17,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ..._core.tree import all_finite, sums
+from ..._core.tree import all_finite, positions_by_size, sums
 from ..blocks.base import CurvatureBlock, PowersLike
 from ..operators.structured import BlockDiagonalOperator
 from ..._tracing.layer_data import LayerSpec
@@ -143,13 +143,15 @@ def _acceptable(pairs: Sequence[tuple[Array, Array]], max_growth: ArrayLike | No
     1e10 times their usual size give factors 1e20 times their average).
 
     One norm over all the statistics (an outlier in one layer's statistics dominates it), and
-    one reduction per statistic that reads the new and old arrays once, without copying them.
+    one reduction per large statistic that reads the new and old arrays once, without copying
+    them (the small ones together, `positions_by_size`).
     """
     pairs = [(n, o) for n, o in pairs if eqx.is_inexact_array(n)]
-    if max_growth is None:
+    if max_growth is None or not pairs:
         return all_finite([n for n, _ in pairs])
     totals = jnp.zeros(3, jnp.float32)
-    for new, old in pairs:
+    dtype = jnp.result_type(*[n for n, _ in pairs])
+    for new, old in positions_by_size(pairs, dtype):
         # `new * 0` is NaN where `new` is not finite (in its own dtype: a float64 number beyond
         # float32's range is finite); the squared norms are float32.
         parts = [(new * jnp.zeros((), new.dtype)).astype(jnp.float32)]
