@@ -45,11 +45,19 @@ def _inexact_leaves(tree: PyTree) -> list[Array]:
     return [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
 
 
-def sums(arrays: Sequence[Array]) -> Array:
-    """The sums of arrays of one shape and dtype, in one variadic reduction (a vector).
+def sums(arrays: Sequence[Array]) -> Float[Array, " n"]:
+    """The sums of arrays of one shape and dtype, in one variadic reduction.
 
     XLA fuses elementwise producers into it: `sums([a * b, a * c])` reads `a`, `b` and `c` once
     and writes two numbers, where `jnp.sum(jnp.stack(...))` would write the stack first.
+
+    **Arguments:**
+
+    - `arrays`: arrays of one shape and one dtype.
+
+    **Returns:**
+
+    The vector of their sums, in their dtype.
     """
     dims = tuple(range(arrays[0].ndim))
     zeros = tuple(jnp.zeros((), x.dtype) for x in arrays)
