@@ -10,37 +10,6 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, PyTree
 
 
-def flat_rows(trees: Sequence[PyTree[Array]], batch_dims: int = 0) -> Array:
-    """The inexact array leaves of each tree raveled and concatenated into one row per tree:
-    `(len(trees), D)`, in the promoted dtype of all leaves; with `batch_dims=1`, each tree's
-    leaves share a leading axis of rows, which is kept (`(len(trees) · rows, D)`).
-
-    One concatenated array instead of one operation per leaf, so that a product of all the rows
-    is one matrix product; the concatenation copies every leaf, so for large trees (parameters,
-    curvature statistics) `inner_products` and `all_finite`, which read the leaves in place,
-    cost less.
-
-    **Arguments:**
-
-    - `trees`: PyTrees of the same structure.
-    - `batch_dims`: `0`, or `1` when the leaves carry a leading axis of rows.
-
-    **Returns:**
-
-    A 2-D array.
-    """
-    rows = []
-    for tree in trees:
-        leaves = [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
-        lead = leaves[0].shape[0] if batch_dims and leaves else 1
-        rows.append([jnp.reshape(x, (lead, -1)) for x in leaves])
-    dtype = jnp.result_type(*[x for row in rows for x in row], jnp.float32)
-    return jnp.concatenate(
-        [jnp.concatenate([x.astype(dtype) for x in row], axis=1) for row in rows if row]
-        or [jnp.zeros((len(trees), 0), dtype)]
-    )
-
-
 def _inexact_leaves(tree: PyTree) -> list[Array]:
     return [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
 

@@ -24,7 +24,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PyTree
 
 from .._core import distributed as _distributed
-from .._core.tree import flat_rows, inner_products
+from .._core.tree import inner_products
 from .hyperparameters import CoefficientRange
 from .step_context import StepContext
 
@@ -288,9 +288,8 @@ def exact_quadratic_model(context: StepContext, vectors: Sequence[Any]) -> Quadr
     # (under `vmap` only the tangents carry the batch axis).
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *tangents)
     products = jax.vmap(lambda v: factor(context.func_args, v))(stacked)
-    rows = flat_rows([products], batch_dims=1)
-    curvature = jnp.matmul(rows, rows.T, precision=jax.lax.Precision.HIGHEST)
-    curvature = _distributed.pmean(curvature, context.axis_name)
+    rows = [jax.tree.map(lambda x, i=i: x[i], products) for i in range(len(vectors))]
+    curvature = _distributed.pmean(gram_matrix(rows), context.axis_name)
     return quadratic_model(vectors, context.grads, curvature)
 
 
