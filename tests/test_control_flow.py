@@ -68,13 +68,13 @@ def test_all_finite():
     assert bool(all_finite({"a": jnp.ones(2), "b": None, "n": jnp.arange(3)}))
     assert not bool(all_finite({"a": jnp.array([1.0, jnp.inf])}))
     assert not bool(all_finite([jnp.ones(2), jnp.array(jnp.nan)]))
-    # Several trees, leaves of one shape read together: a fault in any of them is seen, an
-    # infinity beside a NaN too, and a float64 number beyond float32's range is finite.
+    # Leaves of one shape read together: a fault in any of them is seen, an infinity beside a
+    # NaN too, and a float64 number beyond float32's range is finite.
     ones = {"w": jnp.ones((3, 2)), "v": jnp.ones((3, 2)), "b": jnp.ones(2)}
-    assert bool(all_finite(ones, ones))
+    assert bool(all_finite((ones, ones)))
     for leaf, value in [("w", jnp.inf), ("v", -jnp.inf), ("b", jnp.nan)]:
         bad = dict(ones, **{leaf: ones[leaf].at[0].set(value)})
-        assert not bool(all_finite(ones, bad)) and not bool(all_finite(bad, ones))
+        assert not bool(all_finite((ones, bad))) and not bool(all_finite((bad, ones)))
     both = dict(ones, w=ones["w"].at[0, 0].set(jnp.inf), v=ones["v"].at[0, 0].set(-jnp.inf))
     assert not bool(all_finite(both))
     assert bool(all_finite(jnp.array([1e300, -1e300], jnp.float64)))

@@ -89,24 +89,29 @@ def inner_products(pairs: Sequence[tuple[PyTree[Array], PyTree[Array]]]) -> Floa
     return total
 
 
-def all_finite(*trees: PyTree) -> Bool[Array, ""]:
-    """Whether every inexact array leaf of `trees` is finite (no NaN or infinity).
+def zero_or_nan(x: Array) -> Array:
+    """`x * 0` in `x`'s own dtype: 0 where `x` is finite, NaN where it is not, so that a sum of
+    it is finite exactly when every element is (no overflow, unlike a sum of `x` itself)."""
+    return x * jnp.zeros((), x.dtype)
 
-    One reduction per distinct leaf shape, and no copy: `x * 0` is 0 for a finite number and
-    NaN otherwise, so the sum over the leaves of one shape of `x * 0` is finite exactly when they
-    all are (`all_finite(grads, update)` reads each pair of leaves in one pass).
+
+def all_finite(tree: PyTree) -> Bool[Array, ""]:
+    """Whether every inexact array leaf of `tree` is finite (no NaN or infinity).
+
+    One reduction per distinct leaf shape, and no copy: the sum over the leaves of one shape of
+    `zero_or_nan` is finite exactly when they all are.
 
     **Arguments:**
 
-    - `trees`: any PyTrees; non-array and integer leaves are ignored.
+    - `tree`: any PyTree; non-array and integer leaves are ignored.
 
     **Returns:**
 
     A boolean scalar.
     """
     by_shape: dict[tuple[int, ...], Array] = {}
-    for x in _inexact_leaves(trees):
-        zero = x * jnp.zeros((), x.dtype)
+    for x in _inexact_leaves(tree):
+        zero = zero_or_nan(x)
         by_shape[x.shape] = zero if x.shape not in by_shape else by_shape[x.shape] + zero
     return jnp.isfinite(sum((jnp.sum(z) for z in by_shape.values()), jnp.zeros((), jnp.float32)))
 

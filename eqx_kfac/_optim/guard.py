@@ -100,7 +100,8 @@ class StepGuard(eqx.Module):
         A `GuardDecision`.
         """
         if self.skip_non_finite:
-            skipped = ~(jnp.isfinite(loss) & all_finite(grads, delta))
+            # `all_finite(grads)` is the step's own check of the gradient, which XLA computes once.
+            skipped = ~(jnp.isfinite(loss) & all_finite(grads) & all_finite(delta))
         else:
             skipped = jnp.zeros((), bool)
         if self.reject_loss_increase:

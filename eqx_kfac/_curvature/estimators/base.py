@@ -17,7 +17,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ..._core.tree import all_finite, positions_by_size, sums
+from ..._core.tree import all_finite, positions_by_size, sums, zero_or_nan
 from ..blocks.base import CurvatureBlock, PowersLike
 from ..operators.structured import BlockDiagonalOperator
 from ..._tracing.layer_data import LayerSpec
@@ -152,9 +152,9 @@ def _acceptable(pairs: Sequence[tuple[Array, Array]], max_growth: ArrayLike | No
     totals = jnp.zeros(3, jnp.float32)
     dtype = jnp.result_type(*[n for n, _ in pairs])
     for new, old in positions_by_size(pairs, dtype):
-        # `new * 0` is NaN where `new` is not finite (in its own dtype: a float64 number beyond
-        # float32's range is finite); the squared norms are float32.
-        parts = [(new * jnp.zeros((), new.dtype)).astype(jnp.float32)]
+        # Finiteness in `new`'s own dtype (a float64 number beyond float32's range is finite);
+        # the squared norms are float32.
+        parts = [zero_or_nan(new).astype(jnp.float32)]
         parts += [jnp.square(x.astype(jnp.float32)) for x in (new, old)]
         totals = totals + sums(parts)
     finite, new_sq, old_sq = totals
