@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
+from .._core.tree import all_finite
 from .._curvature.blocks import CurvatureBlock, DenseTwoKroneckerFactored, KroneckerLayout
 from .._curvature.blocks.base import Power
 from .._curvature.blocks.cache import PowerCache
@@ -59,7 +60,7 @@ class SimultaneousDiagonalisation(eqx.Module):
 
     def is_finite(self) -> Array:
         """Whether every array is finite (a factorisation that broke down is not)."""
-        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(self)]))
+        return all_finite(self)
 
     @classmethod
     def zero(cls, n_a: int, n_g: int, dtype: Any) -> "SimultaneousDiagonalisation":
