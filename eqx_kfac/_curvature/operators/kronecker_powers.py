@@ -251,8 +251,8 @@ def _block_spd_inverse(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
     Cholesky factorisation forms) and `P = A⁻¹ B S⁻¹`: `M⁻¹ = [[A⁻¹ + P (A⁻¹B)ᵀ, -P], [-Pᵀ, S⁻¹]]`.
     About `4/3 n³` flops, almost all in matrix products. A matrix that is not positive definite
     yields non-finite entries (from a Cholesky factorisation at the leaves). Only the upper
-    right off-diagonal blocks and the leaves' lower triangles are read, so a matrix symmetric up
-    to rounding needs no symmetrising, and the result is symmetric up to rounding.
+    triangle is read (the upper right off-diagonal blocks and the leaves' upper triangles), so a
+    matrix symmetric up to rounding needs no symmetrising, and the result is symmetric up to rounding.
     """
     n = matrix.shape[0]
     if n <= _BLOCK_INVERSE_LEAF:
