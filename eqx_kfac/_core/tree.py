@@ -15,10 +15,13 @@ def _inexact_leaves(tree: PyTree) -> list[Array]:
 
 
 def sums(arrays: Sequence[Array]) -> Float[Array, " n"]:
-    """The sums of arrays of one shape and dtype, in one variadic reduction.
+    """The sums of arrays of one shape and dtype, one reduction each.
 
-    XLA fuses elementwise producers into it: `sums([a * b, a * c])` reads `a`, `b` and `c` once
-    and writes two numbers, where `jnp.sum(jnp.stack(...))` would write the stack first.
+    XLA fuses elementwise producers into each reduction: `sums([a * b, a * c])` writes two
+    numbers, where `jnp.sum(jnp.stack(...))` would write the stack first. One variadic reduction
+    (`lax.reduce` of a tuple) would read `a` once instead of twice, but XLA:CPU compiles it to
+    scalar code: on a 1729² float32 matrix, three sums as one variadic reduction took 3.6 ms and
+    as three reductions 0.8 ms.
 
     **Arguments:**
 
@@ -28,10 +31,7 @@ def sums(arrays: Sequence[Array]) -> Float[Array, " n"]:
 
     The vector of their sums, in their dtype.
     """
-    dims = tuple(range(arrays[0].ndim))
-    zeros = tuple(jnp.zeros((), x.dtype) for x in arrays)
-    add = lambda xs, ys: tuple(x + y for x, y in zip(xs, ys))  # noqa: E731
-    return jnp.stack(jax.lax.reduce(tuple(arrays), zeros, add, dims))
+    return jnp.stack([jnp.sum(x) for x in arrays])
 
 
 # Leaves with fewer elements than this are concatenated before a reduction (one compiled kernel
@@ -67,9 +67,8 @@ def positions_by_size(positions: Sequence[tuple[Array, ...]], dtype: Any) -> lis
 def inner_products(pairs: Sequence[tuple[PyTree[Array], PyTree[Array]]]) -> Float[Array, " n"]:
     """The inner products `⟨a_k, b_k⟩` of PyTree pairs, in the promoted dtype of all leaves.
 
-    Each leaf position is read once for all the pairs (one reduction, `sums`), large leaves in
-    place and the small ones together (`positions_by_size`): a few kernels, and no copy of a
-    large vector.
+    Large leaves are read where they lie and the small ones together (`positions_by_size`), one
+    reduction per pair and position (`sums`): a few kernels, and no copy of a large vector.
 
     **Arguments:**
 

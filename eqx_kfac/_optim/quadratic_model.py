@@ -65,8 +65,8 @@ def gram_matrix(
     """The symmetric matrix of inner products `M[i, j] = ⟨vectors[i], others[j]⟩`.
 
     Only `i <= j` is taken; the rest is mirrored, which is exact when `others[j]` is `S
-    vectors[j]` for a symmetric `S` (or `others` is `vectors`). Every leaf is read once for
-    all the products (`inner_products`).
+    vectors[j]` for a symmetric `S` (or `others` is `vectors`). The products are reductions over
+    the leaves where they lie (`inner_products`).
 
     **Arguments:**
 

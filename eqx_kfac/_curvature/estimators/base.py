@@ -142,9 +142,9 @@ def _acceptable(pairs: Sequence[tuple[Array, Array]], max_growth: ArrayLike | No
     norm is at most `max_growth` times the old, non-zero norm (an outlier batch: e.g. inputs
     1e10 times their usual size give factors 1e20 times their average).
 
-    One norm over all the statistics (an outlier in one layer's statistics dominates it), and
-    one reduction per large statistic that reads the new and old arrays once, without copying
-    them (the small ones together, `positions_by_size`).
+    One norm over all the statistics (an outlier in one layer's statistics dominates it), its
+    sums taken over each large statistic where it lies, without copying it (the small ones
+    together, `positions_by_size`).
     """
     pairs = [(n, o) for n, o in pairs if eqx.is_inexact_array(n)]
     if max_growth is None or not pairs:
