@@ -133,7 +133,7 @@ def _one_matrix_at_a_time(fn: Callable[[Array], tuple[Array, ...]]) -> Callable[
 # layout the loop's body asks for, XLA did that outside the loop, at every step, refresh or not
 # (a 1729² factor of an MNIST CNN: 4.3 ms per step; the autoencoder's step held 45 MiB more).
 # So the solvers read the upper triangle (the transpose's lower one), and the inverse, symmetric,
-# is returned transposed (row-major as it lies).
+# is returned transposed: its row-major form is the kernel's column-major output as it lies.
 
 
 def _raw_eigh(matrix: Array) -> tuple[Array, Array]:
