@@ -23,7 +23,10 @@ and its state, the first step's tracing, lowering, compilation and run, and the 
 after it; *compiled* seconds count the steps only. The first-call table splits each method's first
 call into those stages: `setup` (building the optimizer and its state: for K-FAC, tracing the loss
 and registering its layers), `trace` (tracing the step: Python), `lower`, `compile` (XLA) and
-`run` (the compiled first step).
+`run` (the compiled first step). `Optimizer.step` compiles itself and is called directly, as its
+users call it: its stages are the seconds JAX's monitoring events report for every program the
+call compiled (the step and its burn-in update), and `run` is the rest of the call (the ten
+burn-in updates, the step, and the Python around them).
 
 Each example runs in a subprocess of its own (XLA's compiler keeps gigabytes of the ViT's K-FAC
 step, and an example the machine runs out of memory for is reported, not fatal). `--unet` measures

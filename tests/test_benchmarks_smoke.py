@@ -4,7 +4,8 @@ a small slice of the data.
 Wall time is never asserted (benchmarks are not tests); what is checked: every optimizer of the main
 job lowers the loss of every problem, the run record's bookkeeping (losses, times, steps and seconds
 to a target, from the first call and compiled) is exact, the loop stops where it is told to, a step
-compiled in stages computes what `eqx.filter_jit` computes, progress reports do not flood a log, the
+compiled in stages computes what `eqx.filter_jit` computes, a self-compiling call's seconds are split
+into stages each counted once, progress reports do not flood a log, the
 command line runs end to end and writes its plots, and benchmarks/step_time.py reads the kfac-jax
 script's table.
 """
@@ -23,6 +24,7 @@ from benchmarks.harness import (
     FirstCall,
     Method,
     Run,
+    call_in_stages,
     compile_in_stages,
     digits,
     full_batch,
@@ -153,6 +155,30 @@ def test_a_step_compiled_in_stages_computes_what_filter_jit_computes():
         assert new.activation is jax.nn.tanh
         np.testing.assert_allclose(new.layers[0].bias, expected_model.layers[0].bias, rtol=1e-12)
         np.testing.assert_allclose(total, expected_total, rtol=1e-12)
+
+
+def test_a_self_compiling_call_counts_each_moment_once_for_its_innermost_stage():
+    record = jax.monitoring.record_event_time_span
+    event = "/jax/core/compile/{}_duration".format
+
+    def function(x):
+        # Spans as a nested jit makes them: an inner trace and a compile inside an outer trace.
+        record(event("jaxpr_trace"), 100.0, 110.0)
+        record(event("jaxpr_trace"), 101.0, 103.0)
+        record(event("backend_compile"), 102.0, 105.0)
+        record(event("jaxpr_to_mlir_module"), 106.0, 107.0)
+        return np.sin(x)  # (NumPy: a JAX operation would compile, and its spans would count)
+
+    out, times, _ = call_in_stages(function, np.arange(3.0))
+    np.testing.assert_allclose(out, np.sin(np.arange(3.0)), rtol=1e-12)
+    assert (times.trace, times.lower, times.compile) == (6.0, 1.0, 3.0)
+    # A real nested jit: compiled on the first call, from JAX's caches on the second.
+    inner = jax.jit(lambda x: jnp.cos(x) * 3.0)
+    outer = jax.jit(lambda x: inner(x) + 1.0)
+    _, first, rest = call_in_stages(outer, jnp.arange(4.0))
+    assert first.trace > 0 and first.lower > 0 and first.compile > 0 and rest > 0
+    _, second, _ = call_in_stages(outer, jnp.arange(4.0))
+    assert second.trace == second.lower == second.compile == 0
 
 
 def test_progress_writes_a_few_lines_to_a_log():

@@ -245,6 +245,30 @@ def test_burn_in_on_the_first_batch_equals_burn_in_from_repeats():
     assert not np.allclose(single, _dense(opt, params, out_batch[1]))
 
 
+def test_a_direct_first_step_runs_its_burn_in_as_a_program_of_its_own():
+    # Called directly, the burn-in's updates are one program of their own, called once per update
+    # (inside the step's program they are a loop, where XLA:CPU gives convolutions slow generic
+    # code), and the step program, compiled once, has no burn-in. Inside a user's jit they are
+    # that loop, with the same result (tests/test_optimizer_purity.py).
+    vg = eqx.filter_value_and_grad(lambda params, batch: PROBLEM.loss_fn(params, batch))  # compiles anew
+    opt = Optimizer(vg, l2_reg=0.0, num_burnin_steps=3, inverse_update_period=1)
+    state0 = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    compiled = []
+
+    def listener(event, seconds, fun_name="", **kwargs):
+        if event.endswith("backend_compile_duration") and "_jitted" in fun_name:
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        _, state, _ = opt.step(PROBLEM.params, state0, jax.random.key(3), batch=BATCH,
+                               learning_rate=LR, momentum=MOM, damping=DAMP)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert sorted(compiled) == ["jit(_jitted_burnin)", "jit(_jitted_step)"]
+    assert int(state.step_counter) == 1
+
+
 def test_stats_norms_batch_processing_and_batch_size_extractor(exact_run):
     # The first step of `exact_run` (the warning of its extractor is checked there).
     opt, (params, new_params, _), ((state, stats), _) = exact_run

@@ -36,4 +36,9 @@ from .outcome import Outcome as Outcome
 from .problem import Problem as Problem, full_batch as full_batch
 from .record import WINDOW as WINDOW, Reach as Reach, Run as Run, best as best
 from .registration import registration_summary as registration_summary
-from .staging import CompileTimes as CompileTimes, FirstCall as FirstCall, compile_in_stages as compile_in_stages
+from .staging import (
+    CompileTimes as CompileTimes,
+    FirstCall as FirstCall,
+    call_in_stages as call_in_stages,
+    compile_in_stages as compile_in_stages,
+)

@@ -5,8 +5,11 @@ Every run starts from the problem's model and sees the problem's batch stream fo
 same keys, the same data; a run's Monte Carlo batches follow its own model). The runs of a round
 advance one step each in turn, so load from other processes falls on all of them alike. Each run's
 first call is timed by stage (`FirstCall`): building the optimizer and its state, then tracing,
-lowering and compiling its step (`compile_in_stages`), then running step 0. Every later step is
-timed from its call until its result is ready, and so is the sampling of its batch.
+lowering and compiling its step (`compile_in_stages`), then running step 0. `Optimizer`'s step,
+which compiles itself, is called directly, as its docs tell users to call it, and its first call
+is split into the same stages by JAX's monitoring events (`call_in_stages`; `run` is the rest of
+the call). Every later step is timed from its call until its result is ready, and so is the
+sampling of its batch.
 """
 
 import dataclasses
@@ -17,11 +20,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from .methods import Method, make_step, quiet
+from .methods import Method, make_step, quiet, SELF_COMPILING
 from .problem import Problem
 from .progress import Progress
 from .record import Run
-from .staging import FirstCall, compile_in_stages
+from .staging import call_in_stages, compile_in_stages, FirstCall
 
 
 @dataclasses.dataclass
@@ -54,8 +57,14 @@ def _start(
     (step, state), setup = _timed(lambda: quiet(make_step, problem, method, batch))
     stage("setup", setup)
     args = (problem.model, state, key, batch)
-    compiled, compile_times = compile_in_stages(step, *args, on_stage=on_stage)
-    (model, state, record), run = _timed(lambda: compiled(*args))
+    if method.name in SELF_COMPILING:
+        compiled = step
+        (model, state, record), compile_times, run = call_in_stages(step, *args)
+        for name in ("trace", "lower", "compile"):
+            stage(name, getattr(compile_times, name))
+    else:
+        compiled, compile_times = compile_in_stages(step, *args, on_stage=on_stage)
+        (model, state, record), run = _timed(lambda: compiled(*args))
     stage("run", run)
     stages = FirstCall(setup, compile_times.trace, compile_times.lower, compile_times.compile, run)
     return _Training(method, compiled, state, model, batch, stages, [jax.device_get(record)])

@@ -33,6 +33,9 @@ from .problem import Problem
 
 # K-FAC's two forms.
 KFAC_METHODS = ("kfac", "recipe")
+# The methods whose step compiles itself (`Optimizer.step`, which its docs say to call directly):
+# the loop calls it as it is, where it jits the others' steps.
+SELF_COMPILING = ("kfac",)
 # The step statistics of `Optimizer` a run keeps.
 KFAC_STATS = ("learning_rate", "momentum", "damping", "skipped", "rejected")
 
@@ -188,7 +191,8 @@ def make_step(problem: Problem, method: Method, batch: Any) -> tuple[Callable, A
 
     **Returns:**
 
-    `step(model, state, key, batch) -> (model, state, record)` (not jitted) and the initial state.
+    `step(model, state, key, batch) -> (model, state, record)` (not jitted, but for the methods of
+    `SELF_COMPILING`, whose step compiles itself) and the initial state.
     """
     if method.name == "kfac":
         return _kfac(problem, batch, method.options)

@@ -100,3 +100,70 @@ def compile_in_stages(
         return eqx.combine(jitted(eqx.filter(args, eqx.is_array)), out_static[0])
 
     return compiled, CompileTimes(trace, lower, compile_)
+
+
+# JAX's monitoring events of the three stages (`jax._src.dispatch`), innermost first: a nested
+# `jit` is traced, lowered and compiled while its caller traces, so a moment counts for the
+# innermost stage running then.
+_EVENTS = (
+    ("compile", "/jax/core/compile/backend_compile_duration"),
+    ("lower", "/jax/core/compile/jaxpr_to_mlir_module_duration"),
+    ("trace", "/jax/core/compile/jaxpr_trace_duration"),
+)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The disjoint intervals covering `spans`, sorted."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length_outside(spans: list[tuple[float, float]], covered: list[tuple[float, float]]) -> float:
+    """The length of the union of `spans` not inside the (disjoint) intervals `covered`."""
+    total = 0.0
+    for start, end in _union(spans):
+        total += end - start
+        for c_start, c_end in covered:
+            total -= max(0.0, min(end, c_end) - max(start, c_start))
+    return total
+
+
+def call_in_stages(function: Callable[..., Any], *args: Any) -> tuple[Any, CompileTimes, float]:
+    """Calls `function(*args)` once, as it is (for a function that compiles itself, such as
+    `Optimizer.step`), and splits the call's wall clock into JAX's stages from its monitoring
+    events: the seconds spent tracing, lowering and compiling (every program the call compiled,
+    each moment counted once, for the innermost stage) and the rest (Python outside the stages and
+    the run of the compiled programs).
+
+    **Arguments:**
+
+    - `function`: any function.
+    - `*args`: its arguments.
+
+    **Returns:**
+
+    `(out, times, rest)`: the outputs (ready), the `CompileTimes` and the remaining seconds.
+    """
+    spans: dict[str, list[tuple[float, float]]] = {stage: [] for stage, _ in _EVENTS}
+    stage_of = {event: stage for stage, event in _EVENTS}
+
+    def listener(event: str, start: float, end: float, **kwargs: Any) -> None:
+        if event in stage_of:
+            spans[stage_of[event]].append((start, end))
+
+    jax.monitoring.register_event_time_span_listener(listener)
+    try:
+        out, total = _timed(lambda: jax.block_until_ready(function(*args)))
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(listener)
+    seconds, covered = {}, []
+    for stage, _ in _EVENTS:
+        seconds[stage] = _length_outside(spans[stage], covered)
+        covered = _union(covered + spans[stage])
+    times = CompileTimes(seconds["trace"], seconds["lower"], seconds["compile"])
+    return out, times, total - sum(seconds.values())

@@ -23,6 +23,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from .._core import distributed as _distributed
 from .abstract_optimizer import AbstractOptimizer
@@ -128,7 +129,7 @@ def compiled_step(
 
     - `optimizer`: the `Optimizer`.
     - `args`: `(params, state, rng, batch, func_state, given)`.
-    - `burnin_in_graph`: whether the burn-in runs inside the step (no `data_iterator`).
+    - `burnin_in_graph`: whether the burn-in runs inside the step (`batch=` inside a user's trace).
     - `calibrating`: the step is a trial of the initial damping's calibration.
 
     **Returns:**
@@ -144,12 +145,15 @@ def compiled_step(
     )
 
 
-def _jitted_burnin(optimizer, params, state, key, batch, func_state):
-    return _maybe_sharded(optimizer, burnin_update, params, state, key, batch, func_state)
+def _jitted_burnin(optimizer, params, state, rng, batch, func_state, index):
+    return _maybe_sharded(optimizer, burnin_update, params, state, rng, batch, func_state, index)
 
 
 def jitted_burnin(
-    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, key: Any, batch: Any, func_state: Any
+    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, rng: Any, batch: Any,
+    func_state: Any, index: int,
 ) -> OptimizerState:
-    """One compiled burn-in curvature update (`optimizer_step.burnin_update`), never donating."""
-    return _compiled(optimizer, _jitted_burnin, "none", optimizer, params, state, key, batch, func_state)
+    """The burn-in's curvature update number `index` (`optimizer_step.burnin_update`), compiled
+    once for every index, never donating."""
+    index = np.asarray(index, np.int32)  # an array: traced, not a static argument
+    return _compiled(optimizer, _jitted_burnin, "none", optimizer, params, state, rng, batch, func_state, index)

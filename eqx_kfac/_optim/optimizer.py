@@ -13,10 +13,12 @@ The optimizer is built from parts, each an `eqx.Module` (see "Building a variant
 
 The kfac-jax keywords of the constructor build these parts (`kfac_jax_keywords.py`). The step
 itself is `optimizer_step.step_body`; every decision that depends on the step counter is taken
-inside the compiled graph, so `step` gives the same result called directly or inside a user's
-`jit`.
+inside the compiled graph, but for the burn-in of a directly called step (its updates run as
+programs of their own before the step, see `_step_from_iterator`), so `step` gives the same result
+called directly or inside a user's `jit`.
 """
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
@@ -41,7 +43,7 @@ from .hyperparameters import Schedule
 from .kfac_jax_keywords import KEYWORDS, parts_from_keywords
 from .optimizer_state import ExampleCount, OptimizerState
 from .preconditioner import CurvatureOptions, Preconditioner
-from .refresh import AbstractRefreshSchedule, burnin_keys
+from .refresh import AbstractRefreshSchedule
 from .step_context import GivenValues
 from .step_rule import AbstractStepRule
 from .value_function import recover_value_func, ValueFunction
@@ -381,12 +383,16 @@ class Optimizer(AbstractOptimizer):
         - `rng`: a PRNG key, different at every step.
         - `data_iterator`: an iterator of batches (burn-in batches at step 0, then one per step);
           not usable inside `jit`. Exactly one of `data_iterator` and `batch` is required.
-        - `batch`: the batch of this step (also the burn-in batch at step 0).
+        - `batch`: the batch of this step (also the burn-in batch at step 0). Called outside jit,
+          the burn-in's updates run before the step, each a compiled program of its own, as with
+          `data_iterator`; inside a user's jit, the step's program runs them in a loop (the same
+          result).
         - `func_state`: the function state, when `value_func_has_state`.
         - `learning_rate`, `momentum`, `damping`: required when the quantity is neither adaptive
           nor scheduled, forbidden otherwise.
-        - `global_step_int`: the step counter as a Python int (with `data_iterator`, saves reading
-          it from the device).
+        - `global_step_int`: the step counter as a Python int. Outside jit, with a burn-in or the
+          initial damping calibration configured, `step` otherwise reads it from the device at
+          every call (as kfac-jax does), which waits for the previous step to finish.
 
         **Returns:**
 
@@ -408,12 +414,21 @@ class Optimizer(AbstractOptimizer):
             )
         given = GivenValues(*(None if v is None else jnp.asarray(v) for v in (learning_rate, momentum, damping)))
         self._check_step_arguments(params, state, func_state, given)
+        traced = isinstance(state.step_counter, jax.core.Tracer)
         if data_iterator is None:
             check_batch(state.batch_signature, batch, "batch")
-            args = (params, state, rng, batch, func_state, given)
-            out = compiled_step(self, self._calibrated(args, True, global_step_int), True)
-        else:
-            out = self._step_from_iterator(params, state, rng, data_iterator, func_state, given, global_step_int)
+            if traced:
+                args = (params, state, rng, batch, func_state, given)
+                out = compiled_step(self, self._calibrated(args, True, global_step_int), True)
+                return self._checked_faults(out)
+            data_iterator = itertools.repeat(batch)
+        elif traced and global_step_int is None:
+            # The batches would be drawn once, while tracing, and every call would reuse them.
+            raise ValueError(
+                "data_iterator cannot be used inside jit (batches are drawn in Python); pass "
+                "batch= instead, or call step outside jit."
+            )
+        out = self._step_from_iterator(params, state, rng, data_iterator, func_state, given, global_step_int)
         return self._checked_faults(out)
 
     def _checked_faults(self, out: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -452,32 +467,32 @@ class Optimizer(AbstractOptimizer):
         return (params, state, *rest)
 
     def _step_from_iterator(self, params, state, rng, data_iterator, func_state, given, step_int):
-        """`step` with a data iterator: the burn-in batches drawn in Python at step 0."""
-        if step_int is None:
-            try:
-                step_int = int(state.step_counter)
-            except jax.errors.ConcretizationTypeError:
-                raise ValueError(
-                    "data_iterator cannot be used inside jit (batches are drawn in Python); pass "
-                    "batch= instead, or call step outside jit."
-                ) from None
+        """`step` with a data iterator, or with `batch=` outside jit (`itertools.repeat(batch)`):
+        at step 0 the burn-in runs in Python, one compiled curvature update per batch, before the
+        step. Inside the step's program the burn-in would be a loop, and XLA:CPU gives the
+        convolutions in a loop its slow generic code (a U-Net's first step ran 45 s with the loop
+        inside; docs/examples.md). The step counter is read from the device when the burn-in or
+        the damping calibration needs it and `step_int` is not given."""
+        if step_int is None and (self.refresh.num_burnin_steps > 0 or self.calibrate_initial_damping):
+            step_int = int(state.step_counter)
         original = state
         burnin = self.refresh.num_burnin_steps
         if step_int == 0 and burnin > 0:
-            keys = burnin_keys(rng, burnin)
             for i in range(burnin):
                 burnin_batch = next(data_iterator)
                 check_batch(state.batch_signature, burnin_batch, f"burn-in batch #{i}")
-                state = jitted_burnin(self, params, state, keys[i], burnin_batch, func_state)
+                state = jitted_burnin(self, params, state, rng, burnin_batch, func_state, i)
         batch = next(data_iterator)
         check_batch(state.batch_signature, batch, "batch from data_iterator")
         args = self._calibrated((params, state, rng, batch, func_state, given), False, step_int)
         out = compiled_step(self, args, False)
         if state is original:
             return out
-        # A step whose loss or gradient is not finite leaves the state as it was before the
-        # burn-in too (but for the guard's count of faults).
+        # A step whose loss or gradient is not finite (its step counter stays) leaves the state
+        # as it was before the burn-in too, but for the guard's count of faults.
         new_state = out[1]
-        unprocessed = new_state.step_counter == original.step_counter
         kept = eqx.tree_at(lambda s: s.guard_state, original, new_state.guard_state)
-        return (out[0], select_changed(unprocessed, kept, new_state), *out[2:])
+        if isinstance(new_state.step_counter, jax.core.Tracer):  # a data iterator in a user's jit
+            unprocessed = new_state.step_counter == original.step_counter
+            return (out[0], select_changed(unprocessed, kept, new_state), *out[2:])
+        return out if int(new_state.step_counter) != step_int else (out[0], kept, *out[2:])

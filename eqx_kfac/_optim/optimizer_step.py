@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._core import distributed as _distributed
 from .._core.control_flow import select_changed
@@ -24,6 +24,7 @@ from .._core.tree import all_finite
 from .damping import StepOutcome
 from .abstract_optimizer import AbstractOptimizer
 from .optimizer_state import OptimizerState
+from .refresh import burnin_keys
 from .step_context import GivenValues, StepContext
 
 
@@ -39,10 +40,12 @@ def _curvature_args(optimizer: AbstractOptimizer, params: Any, func_state: Any, 
 
 
 def burnin_update(
-    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, key: PRNGKeyArray, batch: Any,
-    func_state: Any,
+    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
+    func_state: Any, index: Int[Array, ""],
 ) -> OptimizerState:
-    """One burn-in curvature update from a data iterator: summed statistics."""
+    """The burn-in's curvature update number `index`, on `batch` (summed statistics), run before
+    the step of `rng` (whose burn-in keys it draws, as the step's own burn-in would)."""
+    key = burnin_keys(rng, optimizer.refresh.num_burnin_steps)[index]
     func_args = _curvature_args(optimizer, params, func_state, optimizer.function.process(batch))(key)
     estimator, implicit = optimizer.estimators(func_args)
     estimator_state = estimator.update_curvature_matrix_estimate(
@@ -130,7 +133,7 @@ def step_body(
     - `optimizer`: the `Optimizer`.
     - `params`, `state`, `rng`, `batch`, `func_state`: as for `Optimizer.step`.
     - `given`: the `GivenValues` passed to `step`.
-    - `burnin_in_graph`: whether the burn-in runs inside the step (no `data_iterator`).
+    - `burnin_in_graph`: whether the burn-in runs inside the step (`batch=` inside a user's trace).
     - `calibrating`: the step is a trial of the initial damping's calibration.
 
     **Returns:**

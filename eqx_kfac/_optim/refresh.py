@@ -130,7 +130,10 @@ class RefreshSchedule(AbstractRefreshSchedule):
         The periodic update runs outside any loop when its period is 1: XLA on CPU gives a
         convolution inside a loop (or a conditional) its slow generic code, and the update runs
         the model's convolutions forward and backward (measured on the zoo's ResNet: the step
-        took 6.9x Adam's time with the update in a loop, 2.4x without).
+        took 6.9x Adam's time with the update in a loop, 2.4x without; a bare conv stack's
+        gradient, 45x, `benchmarks/conv_in_loop.py`). For the same reason a directly called
+        `Optimizer.step` runs the burn-in before the step, and `burnin_in_graph` is true only
+        inside a user's trace.
 
         **Arguments:**
 
@@ -138,7 +141,8 @@ class RefreshSchedule(AbstractRefreshSchedule):
         - `step`: the step counter.
         - `finite`: whether the step's loss and gradient are finite (`None`: not checked).
         - `step_key`: the step's PRNG key (the periodic update's; burn-in keys derive from it).
-        - `burnin_in_graph`: whether the burn-in runs inside the step (no data iterator).
+        - `burnin_in_graph`: whether the burn-in runs inside the step (a step inside a user's
+          trace, with `batch=`).
         - `update`: `update(estimator_state, ema_old, key, max_statistics_growth)`, one curvature
           update (the burn-in's take every finite batch).
 
