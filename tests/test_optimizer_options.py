@@ -229,6 +229,8 @@ def test_burn_in_from_a_data_iterator_averages_its_batches():
 
 def test_burn_in_on_the_first_batch_equals_burn_in_from_repeats():
     # Sampled estimation: burn-in updates draw their own keys, so burn-in changes the estimate.
+    # (The contract of `batch=`; called directly, it is implemented as repeats of the batch. The
+    # same burn-in as a loop inside a user's jit: tests/test_optimizer_purity.py.)
     opt = Optimizer(VG, l2_reg=0.0, estimation_mode="fisher_gradients", num_burnin_steps=3,
                     inverse_update_period=1)
     params = PROBLEM.params
