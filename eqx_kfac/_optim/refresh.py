@@ -133,7 +133,7 @@ class RefreshSchedule(AbstractRefreshSchedule):
         took 6.9x Adam's time with the update in a loop, 2.4x without; a bare conv stack's
         gradient, 45x, `benchmarks/conv_in_loop.py`). For the same reason a directly called
         `Optimizer.step` runs the burn-in before the step, and `burnin_in_graph` is true only
-        inside a user's trace.
+        for a step given `batch=` inside a user's trace.
 
         **Arguments:**
 
