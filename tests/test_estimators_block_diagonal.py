@@ -318,6 +318,27 @@ def test_example_args_may_be_shape_structs_and_update_jits(getkey):
     np.testing.assert_allclose(jitted, eager, rtol=1e-12)
 
 
+def test_an_eager_update_is_one_program_whatever_its_coefficients(getkey, xla_compilations):
+    problem = mlp_classification(getkey())
+    estimator = BlockDiagonalCurvature(problem.loss_fn, problem.func_args)
+    state, key = estimator.init(getkey()), getkey()
+
+    def updates(coefficients):
+        def run():
+            s = state
+            for ema_old, ema_new in coefficients:
+                s = estimator.update_curvature_matrix_estimate(
+                    s, ema_old, ema_new, problem.batch_size, key, problem.func_args, "ggn_exact"
+                )
+            return s
+
+        return run
+
+    once = xla_compilations(updates([(0.0, 1.0)]))
+    assert once <= 3  # the update, and the conversions of Python numbers to arrays
+    assert xla_compilations(updates([(0.0, 1.0), (0.5, 0.5), (0.9, 0.1)])) == once
+
+
 def test_scan_over_stacked_layers_equals_unrolled_network(getkey):
     problem, unrolled, perm = scan_classification(getkey())
     key, mode = getkey(), "ggn_exact"

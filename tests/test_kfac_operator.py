@@ -56,6 +56,22 @@ def test_spectral_functions_and_solves_equal_numpy(getkey):
     np.testing.assert_allclose(models.flat_params(solution)[0], np.linalg.solve(dense, v), rtol=1e-7)
 
 
+def test_eager_methods_compile_one_program_each(getkey, xla_compilations):
+    problem = _regression(getkey())
+    operator = kfac_linear_operator(problem.loss_fn, problem.params, [problem.batch], fisher_type="type-2")
+    vector = eqx.filter(problem.params, eqx.is_inexact_array)
+    assert xla_compilations(operator.eigenvalues) == 1
+    assert xla_compilations(lambda: eqx_kfac.logdet(operator)) == 1
+
+    def inverse_products(dampings):
+        return lambda: [operator.inverse(damping).mv(vector) for damping in dampings]
+
+    # The inverse and its product, each one program; a new damping is an argument, not a program.
+    once = xla_compilations(inverse_products([0.3]))
+    assert once <= 3  # (and the conversion of a Python number to an array)
+    assert xla_compilations(inverse_products([0.3, 0.7])) == once
+
+
 @eqx.filter_jit
 def _spectral(operator):
     return jnp.stack([

@@ -17,6 +17,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
+from ..._core.compiled import compiled
 from ..._core.tree import all_finite, positions_by_size, sums, zero_or_nan
 from ..blocks.base import CurvatureBlock, PowersLike
 from ..operators.structured import BlockDiagonalOperator
@@ -510,8 +511,10 @@ class AbstractCurvatureEstimator(eqx.Module):
         """
         return jnp.concatenate(self.block_eigenvalues(state, use_cached))
 
+    @compiled
     def to_dense_matrix(self, state: EstimatorState) -> Float[Array, "dim dim"]:
-        """The block-diagonal curvature estimate as a dense matrix (for small models).
+        """The block-diagonal curvature estimate as a dense matrix (for small models; one
+        compiled program when called eagerly).
 
         Rows and columns follow `jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array))`, each
         leaf flattened row-major.

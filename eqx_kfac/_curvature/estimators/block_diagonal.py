@@ -6,6 +6,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray
@@ -18,6 +19,7 @@ from ..blocks import (
     NaiveDiagonal,
     ScaleAndShiftDiagonal,
 )
+from ..._core.compiled import compiled
 from ..blocks._solver_cache import check_solver_choice, SolverChoice
 from ..._tracing.graph_matcher import auto_register_tags as _auto_register_tags
 from ..._tracing.layer_data import EstimationData, LayerSpec
@@ -325,8 +327,17 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
 
         The updated state (caches untouched).
         """
-        mode = estimation_mode or self.default_estimation_mode
-        func_args = tuple(func_args)
+        # Called eagerly, the update runs as one compiled program (`compiled`), with the
+        # coefficients as arrays there, so that new values of them do not compile again.
+        return self._update_estimate(
+            state, jnp.asarray(ema_old), jnp.asarray(ema_new), batch_size, rng, tuple(func_args),
+            estimation_mode or self.default_estimation_mode, axis_name, max_statistics_growth,
+        )
+
+    @compiled
+    def _update_estimate(
+        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name, max_statistics_growth
+    ) -> EstimatorState:
         self._check_same_layers(trace(self.func, func_args, self.params_index).layer_specs)
         losses, layer_data, vjp = layer_tags_vjp(self.func, params_index=self.params_index)(
             func_args

@@ -16,6 +16,7 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Inexact, PRNGKeyArray, PyTree
 
+from ..._core.compiled import compiled
 from ..blocks.statistics import WeightedMovingAverage
 from ..blocks.kronecker import KroneckerFactored
 from .curvature import (
@@ -110,9 +111,11 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
 
     # --- lineax interface ---------------------------------------------------------------------
 
+    @compiled
     def mv(self, vector: PyTree[Inexact[Array, "..."]]) -> PyTree[Inexact[Array, "..."]]:
         return self.structured_operator().mv(vector)
 
+    @compiled
     def as_matrix(self) -> Float[Array, "dim dim"]:
         return self.structured_operator().as_matrix()
 
@@ -159,6 +162,7 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
 
     # --- spectral quantities ------------------------------------------------------------------
 
+    @compiled
     def eigenvalues(self) -> Float[Array, " dim"]:
         """The eigenvalues, block by block (not sorted).
 
@@ -168,6 +172,7 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
         """
         return eigenvalues(self.structured_operator())
 
+    @compiled
     def trace(self) -> Float[Array, ""]:
         """The trace.
 
@@ -177,6 +182,7 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
         """
         return trace(self.structured_operator())
 
+    @compiled
     def logdet(self) -> Float[Array, ""]:
         """The log-determinant (`-inf` when the operator is singular).
 
@@ -186,6 +192,7 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
         """
         return logdet(self.structured_operator())
 
+    @compiled
     def det(self) -> Float[Array, ""]:
         """The determinant (prefer `logdet`, which does not overflow).
 
@@ -195,6 +202,7 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
         """
         return jnp.exp(self.logdet())
 
+    @compiled
     def frobenius_norm(self) -> Float[Array, ""]:
         """The Frobenius norm.
 
@@ -242,10 +250,8 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
                 "KFACLinearOperator.inverse: use_heuristic_damping and use_exact_damping are "
                 "exclusive; pass at most one of them."
             )
-        operator = self.structured_operator(damping)
-        if not (use_exact_damping or use_heuristic_damping):
-            operator = _map_blocks(operator, _each_factor_damped)
-        return matpower(operator, -1, exact=not use_heuristic_damping)
+        # The damping as an array: a traced argument of the compiled inverse, not a static one.
+        return _inverse(self, jnp.asarray(damping), use_heuristic_damping, use_exact_damping)
 
     def sample(
         self, key: PRNGKeyArray, prior_precision: ArrayLike = 0.0, num_samples: int | None = None
@@ -281,6 +287,17 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
         if num_samples is None:
             return one_sample(key)
         return jax.vmap(one_sample)(jax.random.split(key, num_samples))
+
+
+@compiled
+def _inverse(
+    operator: KFACLinearOperator, damping: Array, use_heuristic_damping: bool, use_exact_damping: bool
+) -> ParameterSpaceOperator:
+    """`KFACLinearOperator.inverse`, compiled as one program when called eagerly."""
+    structured = operator.structured_operator(damping)
+    if not (use_exact_damping or use_heuristic_damping):
+        structured = _map_blocks(structured, _each_factor_damped)
+    return matpower(structured, -1, exact=not use_heuristic_damping)
 
 
 def _dtype(estimator: BlockDiagonalCurvature) -> Any:
@@ -433,10 +450,6 @@ def _(operator):
 
 # Everything else is the structured operator's: its spectral functions, diagonal and structure.
 for _function in (
-    trace,
-    logdet,
-    eigenvalues,
-    frobenius_norm,
     matpower,
     lx.diagonal,
     lx.tridiagonal,
@@ -453,3 +466,12 @@ for _function in (
     @_function.register(KFACLinearOperator)
     def _(operator, *args, _function=_function, **kwargs):
         return _function(operator.structured_operator(), *args, **kwargs)
+
+
+# The spectral functions as one compiled program each when called eagerly, as the methods are.
+for _function in (trace, logdet, eigenvalues, frobenius_norm):
+
+    @_function.register(KFACLinearOperator)
+    @compiled
+    def _(operator, _function=_function):
+        return _function(operator.structured_operator())

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Inexact, PyTree
 
+from ..._core.compiled import compiled
 from .spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
 
 
@@ -55,9 +56,11 @@ class ParameterSpaceOperator(lx.AbstractLinearOperator):
         ).astype(int)
         return np.argsort(block_order)
 
+    @compiled
     def mv(self, vector: PyTree[Inexact[Array, "..."]]) -> PyTree[Inexact[Array, "..."]]:
         return self._from_blocks(self.inner.mv(self._to_blocks(vector)))
 
+    @compiled
     def as_matrix(self) -> Inexact[Array, "a b"]:
         perm = self._permutation()
         return self.inner.as_matrix()[perm][:, perm]
@@ -117,6 +120,7 @@ for _check in (lx.is_tridiagonal, lx.is_lower_triangular, lx.is_upper_triangular
 for _spectral in (trace, frobenius_norm, eigenvalues, logdet):
 
     @_spectral.register(ParameterSpaceOperator)
+    @compiled
     def _(operator, _spectral=_spectral):
         return _spectral(operator.inner)
 
