@@ -55,17 +55,21 @@ def _check(forward, params, x, ctors, origins, rtol=1e-8):
         default_estimation_mode="ggn_exact",
     )
     assert {r.origin for r in estimator.registrations().values()} == origins
-    state = estimator.update_curvature_matrix_estimate(
-        estimator.init(), 0.0, 1.0, x.shape[0], jax.random.key(0), args
-    )
     flat, unravel = ravel_pytree(params)
-    jacobian = jax.jacobian(lambda f: forward(unravel(f), x))(flat).reshape(-1, flat.size)
-    exact = 2 * jacobian.T @ jacobian / x.shape[0]
+
+    @jax.jit  # one program each (run eagerly, the estimate and the Jacobian compiled ~400 small ones)
+    def dense_and_exact(args, flat):
+        state = estimator.update_curvature_matrix_estimate(
+            estimator.init(), 0.0, 1.0, x.shape[0], jax.random.key(0), args
+        )
+        jacobian = jax.jacobian(lambda f: forward(unravel(f), x))(flat).reshape(-1, flat.size)
+        return estimator.to_dense_matrix(state), 2 * jacobian.T @ jacobian / x.shape[0]
+
+    dense, exact = dense_and_exact(args, flat)
     owner = np.repeat(np.arange(len(estimator.param_shapes)), [np.prod(s, dtype=int) for s in estimator.param_shapes])
     block_of = {i: b for b, block in enumerate(estimator.blocks) for i in block.spec.param_indices}
     blocks = np.array([block_of[i] for i in owner])
     mask = blocks[:, None] == blocks[None, :]
-    dense = np.asarray(estimator.to_dense_matrix(state))
     np.testing.assert_allclose(dense, np.where(mask, exact, 0.0), rtol=rtol, atol=rtol * 1e-3 * np.abs(exact).max())
     return estimator
 
