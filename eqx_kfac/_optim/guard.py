@@ -47,7 +47,9 @@ _FAULTS_MESSAGE = (
     "was not finite (skipped), or a loss that rose after the update (rejected). Parameters and "
     "optimizer state are as they were before these steps. Check the batches for NaN or Inf, the "
     "model's numerics (overflow in float16/bfloat16), the loss's scale and the damping (raise "
-    "initial_damping / min_damping); stats['skipped'] and stats['rejected'] show which. Pass "
+    "initial_damping / min_damping); stats['skipped'] and stats['rejected'] show which. Rejected "
+    "steps in a row are also what a run on one fixed batch does once its loss is at its rounding "
+    "floor (converged: the rises are rounding); there, stop training. Pass "
     "max_consecutive_faults=None to keep skipping instead of stopping."
 )
 
