@@ -337,6 +337,12 @@ def test_an_eager_update_is_one_program_whatever_its_coefficients(getkey, xla_co
     once = xla_compilations(updates([(0.0, 1.0)]))
     assert once <= 3  # the update, and the conversions of Python numbers to arrays
     assert xla_compilations(updates([(0.0, 1.0), (0.5, 0.5), (0.9, 0.1)])) == once
+    # The products too, whatever the damping.
+    updated = updates([(0.0, 1.0)])()
+    vector = eqx.filter(problem.func_args[0], eqx.is_inexact_array)
+    once = xla_compilations(lambda: estimator.multiply_inverse(updated, vector, 0.1))
+    assert once <= 2
+    assert xla_compilations(lambda: [estimator.multiply_inverse(updated, vector, d) for d in (0.1, 1.0)]) == once
 
 
 def test_scan_over_stacked_layers_equals_unrolled_network(getkey):

@@ -70,6 +70,11 @@ def test_eager_methods_compile_one_program_each(getkey, xla_compilations):
     once = xla_compilations(inverse_products([0.3]))
     assert once <= 3  # (and the conversion of a Python number to an array)
     assert xla_compilations(inverse_products([0.3, 0.7])) == once
+    # The same for Laplace samples and their prior precision.
+    key = getkey()
+    once = xla_compilations(lambda: operator.sample(key, 0.1))
+    assert once <= 2
+    assert xla_compilations(lambda: [operator.sample(key, p) for p in (0.1, 0.5)]) == once
 
 
 @eqx.filter_jit

@@ -426,6 +426,13 @@ class AbstractCurvatureEstimator(eqx.Module):
 
         A parameter-space vector.
         """
+        # Called eagerly, one compiled program (`compiled`), the damping an array argument there.
+        return self._multiply_matpower(
+            state, vector, jax.tree.map(jnp.asarray, identity_weight), power, exact_power, use_cached
+        )
+
+    @compiled
+    def _multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached):
         weights = per_block(identity_weight, self.num_blocks, "identity_weight")
         blocks_vectors = self.params_vector_to_blocks_vectors(vector)
         return self.blocks_vectors_to_params_vector(

@@ -275,18 +275,26 @@ class KFACLinearOperator(lx.AbstractLinearOperator):
 
         A parameter-space vector (with a leading sample axis when `num_samples` is given).
         """
-        root = matpower(self.structured_operator(prior_precision), -0.5)
-        structure = self.in_structure()
-        leaves, treedef = jax.tree.flatten(structure)
+        # The prior precision as an array: an argument of the compiled draw, not a static value.
+        return _sample(self, key, jnp.asarray(prior_precision), num_samples)
 
-        def one_sample(key):
-            keys = jax.random.split(key, len(leaves))
-            noise = [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)]
-            return root.mv(jax.tree.unflatten(treedef, noise))
 
-        if num_samples is None:
-            return one_sample(key)
-        return jax.vmap(one_sample)(jax.random.split(key, num_samples))
+@compiled
+def _sample(
+    operator: KFACLinearOperator, key: PRNGKeyArray, prior_precision: Array, num_samples: int | None
+) -> PyTree[Array]:
+    """`KFACLinearOperator.sample`, compiled as one program when called eagerly."""
+    root = matpower(operator.structured_operator(prior_precision), -0.5)
+    leaves, treedef = jax.tree.flatten(operator.in_structure())
+
+    def one_sample(key):
+        keys = jax.random.split(key, len(leaves))
+        noise = [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)]
+        return root.mv(jax.tree.unflatten(treedef, noise))
+
+    if num_samples is None:
+        return one_sample(key)
+    return jax.vmap(one_sample)(jax.random.split(key, num_samples))
 
 
 @compiled
@@ -450,8 +458,6 @@ def _(operator):
 
 # Everything else is the structured operator's: its spectral functions, diagonal and structure.
 for _function in (
-    matpower,
-    lx.diagonal,
     lx.tridiagonal,
     lx.is_symmetric,
     lx.is_positive_semidefinite,
@@ -468,10 +474,11 @@ for _function in (
         return _function(operator.structured_operator(), *args, **kwargs)
 
 
-# The spectral functions as one compiled program each when called eagerly, as the methods are.
-for _function in (trace, logdet, eigenvalues, frobenius_norm):
+# The functions that compute arrays, as one compiled program each when called eagerly (as the
+# methods are); the other arguments (a power, `exact`) are static.
+for _function in (trace, logdet, eigenvalues, frobenius_norm, matpower, lx.diagonal):
 
     @_function.register(KFACLinearOperator)
     @compiled
-    def _(operator, _function=_function):
-        return _function(operator.structured_operator())
+    def _(operator, *args, _function=_function, **kwargs):
+        return _function(operator.structured_operator(), *args, **kwargs)
