@@ -187,7 +187,7 @@ def test_faults_in_a_row_stop_the_run_with_an_explanation():
     for i in range(19):
         _, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1 + i), batch=nan_batch)
         assert bool(stats["skipped"])
-    with pytest.raises(Exception, match="20 consecutive steps were not applied(.|\n)*rounding floor"):
+    with pytest.raises(Exception, match="20 consecutive steps were not applied(.|\n)*has converged"):
         opt.step(PROBLEM.params, state, jax.random.key(20), batch=nan_batch)
 
 
@@ -235,6 +235,24 @@ def test_a_step_that_raises_the_loss_is_rejected_and_the_damping_raised():
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), params, PROBLEM.params))
     np.testing.assert_allclose(float(state.damping), 2e-3, rtol=1e-12)
     assert int(state.step_counter) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_a_rise_within_rounding_is_not_rejected(dtype):
+    # `rounding_tolerance=32`: a rise of at most 32 eps |loss| is rounding, one above it is not.
+    guard = eqx_kfac.StepGuard(reject_loss_increase=True)
+    grads, delta = (jnp.ones(3, dtype),), (jnp.ones(3, dtype),)
+    loss = jnp.asarray(1.5e-3, dtype)
+    eps = float(jnp.finfo(dtype).eps)
+    within = np.nextafter(loss + dtype(30 * eps * 1.5e-3), np.inf, dtype=dtype)
+    beyond = loss + dtype(40 * eps * 1.5e-3)
+    assert float(beyond - loss) > 32 * eps * 1.5e-3 > float(within - loss) > 0
+    decisions = [guard.decide(loss, grads, delta, jnp.asarray(new, dtype)) for new in (within, beyond, jnp.nan)]
+    assert [bool(d.rejected) for d in decisions] == [False, True, True]
+    strict = eqx_kfac.StepGuard(reject_loss_increase=True, rounding_tolerance=0.0)
+    assert bool(strict.decide(loss, grads, delta, jnp.asarray(within, dtype)).rejected)
+    with pytest.raises(ValueError, match="rounding_tolerance"):
+        eqx_kfac.StepGuard(rounding_tolerance=-1.0)
 
 
 @pytest.mark.parametrize(
