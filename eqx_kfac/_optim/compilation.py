@@ -46,7 +46,9 @@ def _compiled(optimizer: AbstractOptimizer, fn: Callable[..., Any], donate: str,
     """`fn(*args)` compiled with the optimizer's compiler options, or without them inside a
     user's trace: JAX takes compiler options on an outermost `jit` only, and there the user's
     apply."""
-    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args))
+    # (The optimizer holds no tracer; leaving it out spares a walk through all its parts.)
+    arrays = [a for a in args if a is not optimizer]
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(arrays))
     return _jit(fn, donate, () if traced else optimizer.compiler_options)(*args)
 
 

@@ -421,8 +421,12 @@ class Optimizer(AbstractOptimizer):
                 args = (params, state, rng, batch, func_state, given)
                 out = compiled_step(self, self._calibrated(args, True, global_step_int), True)
                 return self._checked_faults(out)
-            data_iterator = itertools.repeat(batch)
-        elif traced and global_step_int is None:
+            out = self._step_from_iterator(
+                params, state, rng, itertools.repeat(batch), func_state, given, global_step_int,
+                batches_checked=True,
+            )
+            return self._checked_faults(out)
+        if traced and global_step_int is None:
             # The batches would be drawn once, while tracing, and every call would reuse them.
             raise ValueError(
                 "data_iterator cannot be used inside jit (batches are drawn in Python); pass "
@@ -466,13 +470,16 @@ class Optimizer(AbstractOptimizer):
                 break
         return (params, state, *rest)
 
-    def _step_from_iterator(self, params, state, rng, data_iterator, func_state, given, step_int):
+    def _step_from_iterator(
+        self, params, state, rng, data_iterator, func_state, given, step_int, batches_checked=False
+    ):
         """`step` with a data iterator, or with `batch=` outside jit (`itertools.repeat(batch)`):
         at step 0 the burn-in runs in Python, one compiled curvature update per batch, before the
         step. Inside the step's program the burn-in would be a loop, and XLA:CPU gives the
         convolutions in a loop its slow generic code (a U-Net's first step ran 45 s with the loop
         inside; docs/examples.md). The step counter is read from the device when the burn-in or
-        the damping calibration needs it and `step_int` is not given."""
+        the damping calibration needs it and `step_int` is not given. `batches_checked`: the
+        batches repeat the one `step` checked already."""
         if step_int is None and (self.refresh.num_burnin_steps > 0 or self.calibrate_initial_damping):
             step_int = int(state.step_counter)
         original = state
@@ -480,10 +487,12 @@ class Optimizer(AbstractOptimizer):
         if step_int == 0 and burnin > 0:
             for i in range(burnin):
                 burnin_batch = next(data_iterator)
-                check_batch(state.batch_signature, burnin_batch, f"burn-in batch #{i}")
+                if not batches_checked:
+                    check_batch(state.batch_signature, burnin_batch, f"burn-in batch #{i}")
                 state = jitted_burnin(self, params, state, rng, burnin_batch, func_state, i)
         batch = next(data_iterator)
-        check_batch(state.batch_signature, batch, "batch from data_iterator")
+        if not batches_checked:
+            check_batch(state.batch_signature, batch, "batch from data_iterator")
         args = self._calibrated((params, state, rng, batch, func_state, given), False, step_int)
         out = compiled_step(self, args, False)
         if state is original:
