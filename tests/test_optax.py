@@ -172,6 +172,30 @@ def test_inject_hyperparams(getkey):
     _close(flat_params(updates)[0], flat_params(expected)[0])
 
 
+@pytest.mark.parametrize("recipe", [False, True], ids=["kfac_preconditioner", "kfac_optax"])
+def test_eager_updates_compile_once(recipe, getkey, xla_compilations):
+    # Run one operation at a time, the periodic refreshes' while loops compiled at every call.
+    model, batches, loss_fn = _problem(getkey())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    grads = eqx.filter_grad(loss_fn)(model, batches[0])
+    make = eqx_kfac.kfac_optax if recipe else kfac_preconditioner
+    optimizer = make(loss_fn, (model, batches[0]), damping=0.1, inverse_update_period=2)
+    state, key = optimizer.init(params), getkey()
+
+    def updates(count):
+        def run():
+            s = state
+            for batch in batches[:count]:
+                _, s = optimizer.update(grads, s, params, batch=batch, key=key)
+            return s
+
+        return run
+
+    once = xla_compilations(updates(1))
+    assert once <= 2  # the update (and the conversion of the key's data)
+    assert xla_compilations(updates(3)) == once
+
+
 def test_multi_steps_and_apply_if_finite(getkey):
     model, batches, loss_fn = _problem(getkey())
     params = eqx.filter(model, eqx.is_inexact_array)

@@ -17,6 +17,7 @@ import optax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
+from .._core.compiled import compiled
 from .._core.tree import all_finite
 from .._curvature.blocks import CurvatureBlock
 from .._curvature.blocks._solver_cache import SolverChoice
@@ -283,6 +284,9 @@ class _PreconditionerTransform(eqx.Module):
             )
         return jax.random.key(0) if key is None else key
 
+    # Called eagerly, one compiled program (`compiled`): run one operation at a time, the
+    # periodic refreshes (`lax.while_loop`s) compiled again at every call.
+    @compiled
     def update(
         # `state` is checked by `_check_state` (a checkpoint restored without a template).
         self, updates: PyTree, state: Any, params: PyTree = None, *,
@@ -431,5 +435,6 @@ def kfac_optax(
         optax.scale_by_learning_rate(learning_rate),
     )
     guarded = skip_non_finite(chain, max_consecutive_faults)
-    # One compiled program builds the whole chain's state (see `_PreconditionerTransform.init`).
-    return guarded._replace(init=eqx.filter_jit(guarded.init))
+    # One compiled program builds the whole chain's state (see `_PreconditionerTransform.init`),
+    # and, called eagerly, one takes the whole update (see `_PreconditionerTransform.update`).
+    return guarded._replace(init=eqx.filter_jit(guarded.init), update=compiled(guarded.update))
