@@ -15,7 +15,7 @@ from eqx_kfac import (
     NaiveFull,
     ScaleAndShiftFull,
 )
-from eqx_kfac import BlockDiagonalCurvature
+from eqx_kfac import BlockDiagonalCurvature, ExplicitExactCurvature
 from eqx_kfac import register_softmax_cross_entropy_loss, register_squared_error_loss
 from eqx_kfac import register_generic
 from eqx_kfac import eigenvalues as operator_eigenvalues, trace as operator_trace
@@ -318,9 +318,10 @@ def test_example_args_may_be_shape_structs_and_update_jits(getkey):
     np.testing.assert_allclose(jitted, eager, rtol=1e-12)
 
 
-def test_an_eager_update_is_one_program_whatever_its_coefficients(getkey, xla_compilations):
+@pytest.mark.parametrize("make", [BlockDiagonalCurvature, ExplicitExactCurvature])
+def test_an_eager_update_is_one_program_whatever_its_coefficients(make, getkey, xla_compilations):
     problem = mlp_classification(getkey())
-    estimator = BlockDiagonalCurvature(problem.loss_fn, problem.func_args)
+    estimator = make(problem.loss_fn, problem.func_args)
     state, key = estimator.init(getkey()), getkey()
 
     def updates(coefficients):

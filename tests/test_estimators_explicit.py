@@ -78,3 +78,4 @@ def test_errors(getkey):
     x, y = problem.batch
     with pytest.raises(ValueError, match="same leading batch axis"):
         ExplicitExactCurvature(problem.loss_fn, (problem.params, (x, y[:2])))
+

@@ -130,3 +130,10 @@ def test_batch_size_and_errors(getkey):
 
     with pytest.raises(ValueError, match="No loss is registered"):
         ImplicitExactCurvature(no_loss).multiply_ggn(problem.func_args, v)
+
+
+def test_an_eager_product_is_one_program(getkey, xla_compilations):
+    problem = mlp_classification(getkey())
+    implicit = ImplicitExactCurvature(problem.loss_fn)
+    vector = eqx.filter(problem.func_args[0], eqx.is_inexact_array)
+    assert xla_compilations(lambda: implicit.multiply_ggn(problem.func_args, vector)) == 1

@@ -9,15 +9,14 @@ they are the Jacobian's rows, and the estimator keeps `Σ_rows j jᵀ / B` as on
 all parameters.
 """
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
-from jax.typing import ArrayLike
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array
 
 from .._curvature.blocks import CurvatureBlock, Full
 from .._curvature.estimators.base import (
@@ -138,46 +137,17 @@ class DenseGaussNewton(AbstractCurvatureEstimator):
         self.blocks = (JacobianGramFull(spec, solver=solver),)
         self.params_treedef, self.param_paths, self.param_shapes = treedef, paths, shapes
 
-    def update_curvature_matrix_estimate(
-        self,
-        state: EstimatorState,
-        ema_old: ArrayLike,
-        ema_new: ArrayLike,
-        batch_size: ArrayLike,
-        rng: PRNGKeyArray,
-        func_args: Sequence[Any],
-        estimation_mode: str | None = None,
-        *,
-        axis_name: Hashable | None = None,
-        max_statistics_growth: float | None = None,
+
+    def _update_estimate(
+        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name, max_statistics_growth
     ) -> EstimatorState:
-        """Folds the Gauss-Newton matrix of one batch into the dense block.
+        """`update_curvature_matrix_estimate` (the mode resolved, the arguments positional): the
+        Gauss-Newton matrix of the batch into the dense block.
 
         One forward pass records every layer's inputs; one `vmap`ped backward pass pulls the
         estimation mode's loss-space vectors back to the layers' outputs; each layer turns them
         into per-point gradients, which together are the rows `j` of the Jacobian. The block's
-        new statistic is `Σ j jᵀ / batch_size` (see `JacobianGramFull`).
-
-        **Arguments:**
-
-        - `state`: the estimator's state.
-        - `ema_old`: decay of the old estimate (`0` replaces it).
-        - `ema_new`: weight of the new estimate.
-        - `batch_size`: the divisor of the statistics (the first registered loss's batch size).
-        - `rng`: PRNG key for the sampled estimation modes.
-        - `func_args`: the arguments of `func` for this batch.
-        - `estimation_mode`: one of the estimation modes; `None` uses `default_estimation_mode`.
-        - `axis_name`: inside `shard_map` over a batch split across devices, the mapped axis
-          name: the new statistics are averaged over it.
-        - `max_statistics_growth`: drop the batch when it makes the Gramian grow in norm by more
-          than this factor (`None`: never drop a finite batch).
-
-        **Returns:**
-
-        The updated state.
-        """
-        mode = estimation_mode or self.default_estimation_mode
-        func_args = tuple(func_args)
+        new statistic is `Σ j jᵀ / batch_size` (see `JacobianGramFull`)."""
         losses, layer_data, vjp = layer_tags_vjp(self.func, params_index=self.params_index)(func_args)
         check_estimation_mode(mode, losses)
         tangents = jax.vmap(vjp)(loss_space_vectors(mode, losses, rng, batch_size))

@@ -297,7 +297,6 @@ class AbstractCurvatureEstimator(eqx.Module):
             dropped_updates=jnp.zeros((), jnp.int32),
         )
 
-    @abc.abstractmethod
     def update_curvature_matrix_estimate(
         self,
         state: EstimatorState,
@@ -311,7 +310,8 @@ class AbstractCurvatureEstimator(eqx.Module):
         axis_name: Hashable | None = None,
         max_statistics_growth: ArrayLike | None = None,
     ) -> EstimatorState:
-        """Folds the curvature of one batch into the moving averages of every block.
+        """Folds the curvature of one batch into the moving averages of every block (one compiled
+        program when called eagerly; each estimator's `_update_estimate` says how).
 
         **Arguments:**
 
@@ -334,6 +334,24 @@ class AbstractCurvatureEstimator(eqx.Module):
 
         The updated state (caches untouched).
         """
+        # Called eagerly, one compiled program (`compiled`), with the coefficients as arrays
+        # there, so that new values of them do not compile again.
+        return self._compiled_update_estimate(
+            state, jnp.asarray(ema_old), jnp.asarray(ema_new), batch_size, rng, tuple(func_args),
+            estimation_mode or self.default_estimation_mode, axis_name, max_statistics_growth,
+        )
+
+    @compiled
+    def _compiled_update_estimate(self, *args: Any) -> EstimatorState:
+        return self._update_estimate(*args)
+
+    @abc.abstractmethod
+    def _update_estimate(
+        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name,
+        max_statistics_growth,
+    ) -> EstimatorState:
+        """`update_curvature_matrix_estimate` with the estimation mode resolved and the
+        arguments positional."""
 
     def _updated_state(
         self,

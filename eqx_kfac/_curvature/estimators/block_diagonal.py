@@ -1,15 +1,12 @@
 """`BlockDiagonalCurvature`: one curvature block per registered layer (K-FAC by default)."""
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import lineax as lx
-from jax.typing import ArrayLike
-from jaxtyping import PRNGKeyArray
 
 from ..blocks import (
     Conv2DTwoKroneckerFactored,
@@ -19,7 +16,6 @@ from ..blocks import (
     NaiveDiagonal,
     ScaleAndShiftDiagonal,
 )
-from ..._core.compiled import compiled
 from ..blocks._solver_cache import check_solver_choice, SolverChoice
 from ..._tracing.graph_matcher import auto_register_tags as _auto_register_tags
 from ..._tracing.layer_data import EstimationData, LayerSpec
@@ -287,57 +283,15 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
                 "like these, or register the layers by hand."
             )
 
-    def update_curvature_matrix_estimate(
-        self,
-        state: EstimatorState,
-        ema_old: ArrayLike,
-        ema_new: ArrayLike,
-        batch_size: ArrayLike,
-        rng: PRNGKeyArray,
-        func_args: Sequence[Any],
-        estimation_mode: str | None = None,
-        *,
-        axis_name: Hashable | None = None,
-        max_statistics_growth: ArrayLike | None = None,
-    ) -> EstimatorState:
-        """Folds the curvature of one batch into every block's moving averages.
 
-        One forward pass records every layer's inputs and outputs; one `vmap`ped backward pass
-        pulls the estimation mode's loss-space vectors back to every layer's outputs and
-        parameters.
-
-        **Arguments:**
-
-        - `state`: the estimator's state.
-        - `ema_old`: decay of the old estimate (`0` replaces it).
-        - `ema_new`: weight of the new estimate.
-        - `batch_size`: the number of examples in `func_args` (statistics are divided by it).
-        - `rng`: PRNG key for the sampled estimation modes.
-        - `func_args`: the arguments of `func` for this batch (same structure and shapes as
-          `example_args`).
-        - `estimation_mode`: one of the estimation modes; `None` uses `default_estimation_mode`.
-        - `axis_name`: inside `shard_map`/`pmap` over a batch split across devices, the mapped axis
-          name: the new statistics are averaged over it (`batch_size` is then per device).
-        - `max_statistics_growth`: drop a batch that makes the statistics (all blocks together)
-          grow in norm by more than this factor (an outlier batch; `None`: never). A batch whose
-          statistics are not finite is always dropped. Dropped batches are counted in
-          `dropped_updates`.
-
-        **Returns:**
-
-        The updated state (caches untouched).
-        """
-        # Called eagerly, the update runs as one compiled program (`compiled`), with the
-        # coefficients as arrays there, so that new values of them do not compile again.
-        return self._update_estimate(
-            state, jnp.asarray(ema_old), jnp.asarray(ema_new), batch_size, rng, tuple(func_args),
-            estimation_mode or self.default_estimation_mode, axis_name, max_statistics_growth,
-        )
-
-    @compiled
     def _update_estimate(
         self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name, max_statistics_growth
     ) -> EstimatorState:
+        """`update_curvature_matrix_estimate` (the mode resolved, the arguments positional).
+
+        One forward pass records every layer's inputs and outputs; one `vmap`ped backward pass
+        pulls the estimation mode's loss-space vectors back to every layer's outputs and
+        parameters."""
         self._check_same_layers(trace(self.func, func_args, self.params_index).layer_specs)
         losses, layer_data, vjp = layer_tags_vjp(self.func, params_index=self.params_index)(
             func_args

@@ -1,11 +1,10 @@
 """`ExplicitExactCurvature`: the whole curvature matrix as one dense block, built per example."""
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
-from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray
 
 from ..blocks import CurvatureBlock, NaiveFull
@@ -92,47 +91,17 @@ class ExplicitExactCurvature(AbstractCurvatureEstimator):
         self.blocks = (NaiveFull(spec),)
         self.params_treedef, self.param_paths, self.param_shapes = treedef, paths, shapes
 
-    def update_curvature_matrix_estimate(
-        self,
-        state: EstimatorState,
-        ema_old: ArrayLike,
-        ema_new: ArrayLike,
-        batch_size: ArrayLike,
-        rng: PRNGKeyArray,
-        func_args: Sequence[Any],
-        estimation_mode: str | None = None,
-        *,
-        axis_name: Hashable | None = None,
-        max_statistics_growth: ArrayLike | None = None,
+
+    def _update_estimate(
+        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name, max_statistics_growth
     ) -> EstimatorState:
-        """Folds the curvature of one batch, computed example by example, into the dense block.
+        """`update_curvature_matrix_estimate` (the mode resolved, the arguments positional): the
+        curvature of the batch computed example by example.
 
         Every example gets its own loss-space vectors (its own sample or random signs, or all
         one-hot vectors), pulled back to per-example parameter gradients `g`; the block's new
-        statistic is `Σ g gᵀ / batch_size`.
-
-        **Arguments:**
-
-        - `state`: the estimator's state.
-        - `ema_old`: decay of the old estimate (`0` replaces it).
-        - `ema_new`: weight of the new estimate.
-        - `batch_size`: the normaliser of the statistics, normally the number of examples.
-        - `rng`: PRNG key for the sampled estimation modes (split over the examples).
-        - `func_args`: the arguments of `func` for this batch.
-        - `estimation_mode`: one of the estimation modes; `None` uses `default_estimation_mode`.
-        - `axis_name`: inside `shard_map`/`pmap` over a batch split across devices, the mapped axis
-          name: the new statistics are averaged over it (`batch_size` is then per device).
-        - `max_statistics_growth`: drop a batch that makes the statistics (all blocks together)
-          grow in norm by more than this factor (an outlier batch; `None`: never). A batch whose
-          statistics are not finite is always dropped. Dropped batches are counted in
-          `dropped_updates`.
-
-        **Returns:**
-
-        The updated state.
-        """
-        mode = estimation_mode or self.default_estimation_mode
-        args = tuple(func_args)
+        statistic is `Σ g gᵀ / batch_size`."""
+        args = func_args
         batch = args[self.batch_index]
         num_examples = _batch_size_of(batch, self.batch_index)
 

@@ -7,6 +7,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from ..._core.compiled import compiled
 from ..._core.tree import scale_keeping_dtypes
 from ..._tracing.losses import LossFunction
 from ..._tracing.tracer import loss_tags_hvp, loss_tags_jvp, loss_tags_vjp
@@ -64,6 +65,7 @@ class ImplicitExactCurvature(eqx.Module):
     def _losses_and_vjp(self, func_args: Sequence[Any]):
         return loss_tags_vjp(self.func, params_index=self.params_index)(tuple(func_args))
 
+    @compiled
     def multiply_jacobian(
         self, func_args: Sequence[Any], vector: PyTree[Array]
     ) -> tuple[tuple[Array, ...], ...]:
@@ -83,6 +85,7 @@ class ImplicitExactCurvature(eqx.Module):
         )
         return tuple(tuple(t) for t in tangents)
 
+    @compiled
     def multiply_jacobian_transpose(
         self, func_args: Sequence[Any], loss_input_vectors: Sequence[Sequence[Array]]
     ) -> PyTree[Array]:
@@ -100,6 +103,7 @@ class ImplicitExactCurvature(eqx.Module):
         _, vjp = self._losses_and_vjp(func_args)
         return vjp(tuple(tuple(v) for v in loss_input_vectors))
 
+    @compiled
     def multiply_hessian(self, func_args: Sequence[Any], vector: PyTree[Array]) -> PyTree[Array]:
         """`H v / B`: the Hessian of the sum of the registered losses, averaged over the batch.
 
@@ -129,6 +133,7 @@ class ImplicitExactCurvature(eqx.Module):
         _, vjp = self._losses_and_vjp(func_args)
         return scale_keeping_dtypes(vjp(products), 1.0 / self.batch_size(func_args))
 
+    @compiled
     def multiply_fisher(self, func_args: Sequence[Any], vector: PyTree[Array]) -> PyTree[Array]:
         """`F v`: the exact Fisher (averaged over the batch) times `vector`.
 
@@ -143,6 +148,7 @@ class ImplicitExactCurvature(eqx.Module):
         """
         return self._multiply_curvature(func_args, vector, "fisher")
 
+    @compiled
     def multiply_ggn(self, func_args: Sequence[Any], vector: PyTree[Array]) -> PyTree[Array]:
         """`G v`: the exact generalised Gauss-Newton matrix (averaged over the batch) times `vector`.
 
@@ -188,6 +194,7 @@ class ImplicitExactCurvature(eqx.Module):
         )
         return scale_keeping_dtypes(vjp(products), 1.0 / jnp.sqrt(self.batch_size(func_args)))
 
+    @compiled
     def multiply_fisher_factor_transpose(
         self, func_args: Sequence[Any], vector: PyTree[Array]
     ) -> tuple[Array, ...]:
@@ -204,6 +211,7 @@ class ImplicitExactCurvature(eqx.Module):
         """
         return self._multiply_factor_transpose(func_args, vector, "fisher")
 
+    @compiled
     def multiply_ggn_factor_transpose(
         self, func_args: Sequence[Any], vector: PyTree[Array]
     ) -> tuple[Array, ...]:
@@ -220,6 +228,7 @@ class ImplicitExactCurvature(eqx.Module):
         """
         return self._multiply_factor_transpose(func_args, vector, "ggn")
 
+    @compiled
     def multiply_fisher_factor(
         self, func_args: Sequence[Any], loss_inner_vectors: Sequence[Array]
     ) -> PyTree[Array]:
@@ -236,6 +245,7 @@ class ImplicitExactCurvature(eqx.Module):
         """
         return self._multiply_factor(func_args, loss_inner_vectors, "fisher")
 
+    @compiled
     def multiply_ggn_factor(
         self, func_args: Sequence[Any], loss_inner_vectors: Sequence[Array]
     ) -> PyTree[Array]:
