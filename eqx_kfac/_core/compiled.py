@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
-import jax
+
+from .tree import any_traced
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -41,7 +42,7 @@ def compiled(function: _F) -> _F:
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
+        if any_traced((args, kwargs)):
             return function(*args, **kwargs)
         return _call(function, args, kwargs)
 

@@ -146,6 +146,20 @@ def abstract_arrays(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, tree)
 
 
+def any_traced(tree: PyTree) -> bool:
+    """Whether any leaf of `tree` is a tracer (the tree is being traced by `jit`, `vmap`, ...).
+
+    **Arguments:**
+
+    - `tree`: any PyTree.
+
+    **Returns:**
+
+    A Python bool.
+    """
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
 def signature(tree: PyTree) -> Hashable:
     """The structure, shapes and dtypes of `tree`: equal for trees that trace alike.
 

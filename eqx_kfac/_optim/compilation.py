@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax
 import numpy as np
 
 from .._core import distributed as _distributed
+from .._core.tree import any_traced
 from .abstract_optimizer import AbstractOptimizer
 from .optimizer_state import OptimizerState
 from .optimizer_step import burnin_update, step_body
@@ -47,8 +47,7 @@ def _compiled(optimizer: AbstractOptimizer, fn: Callable[..., Any], donate: str,
     user's trace: JAX takes compiler options on an outermost `jit` only, and there the user's
     apply."""
     # (The optimizer holds no tracer; leaving it out spares a walk through all its parts.)
-    arrays = [a for a in args if a is not optimizer]
-    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(arrays))
+    traced = any_traced([a for a in args if a is not optimizer])
     return _jit(fn, donate, () if traced else optimizer.compiler_options)(*args)
 
 

@@ -137,9 +137,9 @@ class DenseGaussNewton(AbstractCurvatureEstimator):
         self.blocks = (JacobianGramFull(spec, solver=solver),)
         self.params_treedef, self.param_paths, self.param_shapes = treedef, paths, shapes
 
-
     def _update_estimate(
-        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name, max_statistics_growth
+        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name,
+        max_statistics_growth,
     ) -> EstimatorState:
         """`update_curvature_matrix_estimate` (the mode resolved, the arguments positional): the
         Gauss-Newton matrix of the batch into the dense block.

@@ -283,9 +283,9 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
                 "like these, or register the layers by hand."
             )
 
-
     def _update_estimate(
-        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name, max_statistics_growth
+        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name,
+        max_statistics_growth,
     ) -> EstimatorState:
         """`update_curvature_matrix_estimate` (the mode resolved, the arguments positional).
 

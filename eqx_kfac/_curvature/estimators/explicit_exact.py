@@ -91,9 +91,9 @@ class ExplicitExactCurvature(AbstractCurvatureEstimator):
         self.blocks = (NaiveFull(spec),)
         self.params_treedef, self.param_paths, self.param_shapes = treedef, paths, shapes
 
-
     def _update_estimate(
-        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name, max_statistics_growth
+        self, state, ema_old, ema_new, batch_size, rng, func_args, mode, axis_name,
+        max_statistics_growth,
     ) -> EstimatorState:
         """`update_curvature_matrix_estimate` (the mode resolved, the arguments positional): the
         curvature of the batch computed example by example.
@@ -101,13 +101,12 @@ class ExplicitExactCurvature(AbstractCurvatureEstimator):
         Every example gets its own loss-space vectors (its own sample or random signs, or all
         one-hot vectors), pulled back to per-example parameter gradients `g`; the block's new
         statistic is `Σ g gᵀ / batch_size`."""
-        args = func_args
-        batch = args[self.batch_index]
+        batch = func_args[self.batch_index]
         num_examples = _batch_size_of(batch, self.batch_index)
 
         def per_example(example: Any, key: PRNGKeyArray) -> tuple[Any, ...]:
             one = jax.tree.map(lambda x: x[None], example)
-            example_args = args[: self.batch_index] + (one,) + args[self.batch_index + 1 :]
+            example_args = func_args[: self.batch_index] + (one,) + func_args[self.batch_index + 1 :]
             losses, vjp = loss_tags_vjp(self.func, params_index=self.params_index)(example_args)
             check_estimation_mode(mode, losses)
             vectors = loss_space_vectors(mode, losses, key, 1)
@@ -117,7 +116,7 @@ class ExplicitExactCurvature(AbstractCurvatureEstimator):
         # Examples and vectors together form the leading vector axis of the dense block's data.
         grads = tuple(g.reshape((-1, *g.shape[2:])) for g in grads)
         data = EstimationData(
-            params=tuple(inexact_leaves(args[self.params_index])),
+            params=tuple(inexact_leaves(func_args[self.params_index])),
             inputs=(),
             outputs=(),
             outputs_tangent=(),

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..._core.tree import any_traced
 from ..._tracing.losses import CategoricalLogitsNegativeLogProbLoss
 from ..._tracing.tracer import loss_tags_vjp, registration_problems, trace
 from .fallbacks import user_stacklevel
@@ -52,7 +53,7 @@ def _concrete_facts(func, loss_of, func_args, params_index):
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(func_args)):
         return None
     facts = _loss_facts(func, loss_of, tuple(func_args), params_index)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(facts)):
+    if any_traced(facts):
         return None  # called inside a trace (e.g. a transformation rebuilt under jit): no values
     return facts
 
