@@ -3,26 +3,23 @@
 #
 #     OUT=benchmarks/results/device bash benchmarks/device_check.sh 500
 #
-# Runs, each stopped at the deadline's remaining seconds: the MNIST CNN and the diffusion Mixer
-# of benchmarks/examples.py (issue 27's step-ratio targets), the U-Net's first calls, the other
-# four examples, then benchmarks/step_time.py without the peer (kfac-jax is not installed there).
-# Writes $OUT/log.txt (everything printed), $OUT/examples.md (each example's tables, appended as
-# it finishes). Argument: the deadline in seconds (default 500).
+# Runs, each stopped at the deadline's remaining seconds: the six examples of
+# benchmarks/examples.py (issue 27's budgets; the MNIST CNN and the diffusion Mixer first, for
+# the step-ratio targets), benchmarks/step_time.py without the peer (kfac-jax is not installed
+# there), then the U-Net's first calls with what time is left. Writes $OUT/log.txt (everything
+# printed), $OUT/examples.md (each example's tables, appended as it finishes). Argument: the
+# deadline in seconds (default 500).
 set -u
 source benchmarks/device_common.sh "${1:-500}" log.txt
 : > "$log"
 
 python3 -c "import jax, equinox, eqx_kfac; print('jax', jax.__version__, 'equinox', equinox.__version__, jax.devices())" 2>&1 | tee -a "$log"
 nvidia-smi -L 2>&1 | tee -a "$log"
-for name in mnist_cnn diffusion_mixer; do
-    timed "$name" python3 benchmarks/examples.py --examples "$name" --save "$scratch/$name.md"
-    [[ -f $scratch/$name.md ]] && cat "$scratch/$name.md" >> "$OUT/examples.md"
-done
-timed unet python3 benchmarks/examples.py --examples --unet --unet-timeout 60 --save "$scratch/unet.md"
-[[ -f $scratch/unet.md ]] && cat "$scratch/unet.md" >> "$OUT/examples.md"
-for name in rnn stateful frozen_layer vit; do
+for name in mnist_cnn diffusion_mixer rnn stateful frozen_layer vit; do
     timed "$name" python3 benchmarks/examples.py --examples "$name" --save "$scratch/$name.md"
     [[ -f $scratch/$name.md ]] && cat "$scratch/$name.md" >> "$OUT/examples.md"
 done
 timed step_time python3 benchmarks/step_time.py --rounds 5 --breakdown-repeats 3
+timed unet python3 benchmarks/examples.py --examples --unet --unet-timeout 60 --save "$scratch/unet.md"
+[[ -f $scratch/unet.md ]] && cat "$scratch/unet.md" >> "$OUT/examples.md"
 echo "done, $(left) s left" | tee -a "$log"

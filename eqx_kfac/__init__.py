@@ -1,6 +1,7 @@
 """eqx_kfac: K-FAC second-order optimization and curvature estimation for JAX and Equinox."""
 
 from ._core.compilation_cache import enable_compilation_cache as enable_compilation_cache
+from ._core.compiled import COMPILER_OPTIONS as COMPILER_OPTIONS
 from ._core.distributed import sharding_by_size as sharding_by_size
 from ._curvature.blocks import (
     AbstractEigenbasisKFAC as AbstractEigenbasisKFAC,

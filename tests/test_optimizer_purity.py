@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from models import mlp_classification
 
-from eqx_kfac import Optimizer
+from eqx_kfac import COMPILER_OPTIONS, Optimizer
 
 
 PROBLEM = mlp_classification(jax.random.key(0))
@@ -90,6 +90,21 @@ def test_compiler_options_reach_the_directly_called_step_only():
 
     inside = eqx.filter_jit(ft.partial(from_iterator, bogus))(PROBLEM.params, state0)
     _assert_trees_equal(inside, from_iterator(xla_defaults, PROBLEM.params, state0))
+
+
+def test_the_published_compiler_options_are_the_default_and_fit_a_users_jit():
+    """`eqx_kfac.COMPILER_OPTIONS` is what `Optimizer` compiles its step with unless told
+    otherwise, cannot be changed in place, and works as the docs pass it to a user's own
+    `eqx.filter_jit` (on this CPU the GPU option changes nothing)."""
+    assert OPT.compiler_options == tuple(sorted(COMPILER_OPTIONS.items()))
+    with pytest.raises(TypeError):
+        COMPILER_OPTIONS["xla_gpu_enable_triton_gemm"] = True
+    state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
+    key = jax.random.key(1)
+    users_jit = eqx.filter_jit(
+        lambda p, s: OPT.step(p, s, key, batch=BATCH), compiler_options=dict(COMPILER_OPTIONS)
+    )
+    _assert_trees_equal(users_jit(PROBLEM.params, state0), OPT.step(PROBLEM.params, state0, key, batch=BATCH))
 
 
 def test_checkpoint_resume_is_bit_identical():

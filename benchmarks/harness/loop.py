@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .methods import Method, make_step, quiet, SELF_COMPILING
+from .methods import JIT_COMPILER_OPTIONS, Method, make_step, quiet, SELF_COMPILING
 from .problem import Problem
 from .progress import Progress
 from .record import Run
@@ -63,7 +63,9 @@ def _start(
         for name in ("trace", "lower", "compile"):
             stage(name, getattr(compile_times, name))
     else:
-        compiled, compile_times = compile_in_stages(step, *args, on_stage=on_stage)
+        compiled, compile_times = compile_in_stages(
+            step, *args, on_stage=on_stage, compiler_options=JIT_COMPILER_OPTIONS.get(method.name)
+        )
         (model, state, record), run = _timed(lambda: compiled(*args))
     stage("run", run)
     stages = FirstCall(setup, compile_times.trace, compile_times.lower, compile_times.compile, run)

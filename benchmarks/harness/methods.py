@@ -36,6 +36,10 @@ KFAC_METHODS = ("kfac", "recipe")
 # The methods whose step compiles itself (`Optimizer.step`, which its docs say to call directly):
 # the loop calls it as it is, where it jits the others' steps.
 SELF_COMPILING = ("kfac",)
+# The XLA compiler options of the jit around each other method's step, as each library's docs
+# advise: `kfac_optax`'s jit takes `eqx_kfac.COMPILER_OPTIONS` (Triton's GEMM autotuning off on a
+# GPU, ignored elsewhere), the optax baselines XLA's defaults.
+JIT_COMPILER_OPTIONS = {"recipe": dict(eqx_kfac.COMPILER_OPTIONS)}
 # The step statistics of `Optimizer` a run keeps.
 KFAC_STATS = ("learning_rate", "momentum", "damping", "skipped", "rejected")
 

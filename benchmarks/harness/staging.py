@@ -60,7 +60,10 @@ def _timed(function: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def compile_in_stages(
-    function: Callable[..., Any], *args: Any, on_stage: Callable[[str, float], None] | None = None
+    function: Callable[..., Any],
+    *args: Any,
+    on_stage: Callable[[str, float], None] | None = None,
+    compiler_options: dict[str, Any] | None = None,
 ) -> tuple[Callable[..., Any], CompileTimes]:
     """Compiles `function` for `args` stage by stage, timing each.
 
@@ -70,6 +73,7 @@ def compile_in_stages(
     - `*args`: example arguments (the arrays' shapes and dtypes and every non-array leaf are
       those of every later call).
     - `on_stage`: called with each stage's name and seconds as it ends (`None`: not called).
+    - `compiler_options`: XLA's compiler options (`jax.jit`'s; `None`: XLA's defaults).
 
     **Returns:**
 
@@ -84,7 +88,7 @@ def compile_in_stages(
         out_static.append(out_rest)
         return out_dynamic
 
-    jitted = jax.jit(on_arrays)
+    jitted = jax.jit(on_arrays, compiler_options=compiler_options)
     stage = on_stage or (lambda name, seconds: None)
     traced, trace = _timed(lambda: jitted.trace(dynamic))
     stage("trace", trace)

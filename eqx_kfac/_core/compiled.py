@@ -6,9 +6,13 @@ compiles each operation on its own: a 3-4-2 MLP's `KFACLinearOperator.as_matrix(
 programs (1.3 s) and its `eigenvalues()` 47 (1.4 s). Run through `eqx.filter_jit` each is one
 program, compiled once per operator structure. Inside a trace (a user's `jit`, `vmap`, `grad`)
 the function is traced inline, as any other.
+
+The library's own compiled programs (these, and `Optimizer.step` called directly) are compiled
+with `COMPILER_OPTIONS`.
 """
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,8 +23,20 @@ from .tree import any_traced
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_enable_triton_gemm": False})
+"""The XLA compiler options of the programs the library compiles itself (read-only):
+`Optimizer.step`'s (its default `compiler_options`) and the eager calls compiled by `compiled`.
 
-@eqx.filter_jit
+XLA's Triton GEMM kernels are off: on an NVIDIA GPU their autotuning was most of a K-FAC step's
+compilation (an H100, the MNIST CNN example: `kfac_optax`'s compile 19.0 s with them, 1.9 s
+without), and other backends ignore the option. `kfac_optax` and `kfac_preconditioner` run inside
+your own `jit`, whose compiler options apply: pass these there,
+`eqx.filter_jit(train_step, compiler_options=dict(eqx_kfac.COMPILER_OPTIONS))` (or `jax.jit`'s
+same keyword).
+"""
+
+
+@eqx.filter_jit(compiler_options=dict(COMPILER_OPTIONS))
 def _call(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return function(*args, **kwargs)
 

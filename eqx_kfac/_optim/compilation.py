@@ -11,13 +11,13 @@ parameters and of the whole optimizer state (curvature factors and cached invers
 the caller's arrays are deleted: only donate what you replace with the step's outputs.
 
 Each entry point is compiled with the optimizer's `compiler_options` (`jax.jit`'s). The default
-turns off XLA's Triton GEMM kernels, a GPU option that XLA's other backends ignore: on an H100
-their autotuning was most of the K-FAC step's compilation (the MNIST CNN example's K-FAC compile
-24.3 s with them, 4.8 s without, through `XLA_FLAGS`; docs/examples.md).
+(`eqx_kfac.COMPILER_OPTIONS`) turns off XLA's Triton GEMM kernels, a GPU option that XLA's other
+backends ignore: on an H100 their autotuning was most of the K-FAC step's compilation (the MNIST
+CNN example's K-FAC compile 24.3 s with them, 4.8 s without, through `XLA_FLAGS`;
+docs/examples.md).
 """
 
 import functools
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -29,10 +29,6 @@ from .._core.tree import any_traced
 from .abstract_optimizer import AbstractOptimizer
 from .optimizer_state import OptimizerState
 from .optimizer_step import burnin_update, step_body
-
-
-# The compiler options `Optimizer` passes by default (see the module docstring).
-DEFAULT_COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_enable_triton_gemm": False})
 
 
 @functools.cache

@@ -30,12 +30,13 @@ from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core import distributed as _distributed
+from .._core.compiled import COMPILER_OPTIONS
 from .._core.control_flow import select_changed
 from .._core.tree import signature
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
 from .abstract_optimizer import AbstractOptimizer
 from .arguments import check_batch, check_func_state, check_params, check_scalar_loss, params_signature
-from .compilation import compiled_step, DEFAULT_COMPILER_OPTIONS, initial_state, jitted_burnin
+from .compilation import compiled_step, initial_state, jitted_burnin
 from .damping import AbstractDampingRule
 from .direction import AbstractDirection
 from .guard import StepGuard
@@ -170,7 +171,7 @@ class Optimizer(AbstractOptimizer):
         direction: AbstractDirection | None = None,
         refresh: AbstractRefreshSchedule | None = None,
         guard: StepGuard | None = None,
-        compiler_options: Mapping[str, Any] | None = DEFAULT_COMPILER_OPTIONS,
+        compiler_options: Mapping[str, Any] | None = COMPILER_OPTIONS,
     ):
         """**Arguments:** see the "Optimizer" documentation page, which describes every keyword;
         in short:
@@ -211,9 +212,9 @@ class Optimizer(AbstractOptimizer):
           `donate_parameters`, `donate_optimizer_state`, `donate_batch_inputs`,
           `donate_func_state`.
         - `compiler_options`: XLA options for the step that `step` compiles when called directly
-          (`jax.jit`'s `compiler_options`; ignored inside your own `jit`). The default turns off
-          XLA's Triton GEMM kernels on GPUs, whose autotuning was most of the step's GPU
-          compilation; `None` keeps XLA's defaults.
+          (`jax.jit`'s `compiler_options`; ignored inside your own `jit`). The default,
+          `eqx_kfac.COMPILER_OPTIONS`, turns off XLA's Triton GEMM kernels on GPUs, whose
+          autotuning was most of the step's GPU compilation; `None` keeps XLA's defaults.
         - `value_func`, `value_func_for_estimator`, `batch_process_func`,
           `include_norms_in_stats`, `include_per_param_norms_in_stats`.
         - `damping_rule`, `step_rule`, `direction`, `refresh`, `guard`: parts given directly
