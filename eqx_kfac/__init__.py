@@ -120,6 +120,7 @@ from ._optim.direction import (
     PreconditionedGradient as PreconditionedGradient,
 )
 from ._optim.guard import (
+    check_consecutive_faults as check_consecutive_faults,
     GuardDecision as GuardDecision,
     GuardState as GuardState,
     StepGuard as StepGuard,

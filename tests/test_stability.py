@@ -222,6 +222,65 @@ opt.step(model, state, jax.random.key(1), batch=(x, y))
     assert any(path.name.startswith("jit__jitted_step-") for path in tmp_path.iterdir())
 
 
+def test_kfac_optax_without_the_in_program_check_is_stored_and_the_check_warns(tmp_path):
+    # kfac_optax's default stop after 20 faults in a row is a host callback in the user's jitted
+    # step, which the persistent cache does not store: tracing it with the cache on warns. With
+    # max_consecutive_faults=None the step is stored (and checked in Python instead).
+    script = f"""
+import warnings, jax, equinox as eqx, optax, eqx_kfac
+eqx_kfac.enable_compilation_cache({str(tmp_path)!r}, min_compile_time_secs=0.0)
+model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+batch = jax.random.normal(jax.random.key(1), (8, 3)), jax.numpy.arange(8) % 2
+def loss(model, batch):
+    logits = jax.vmap(model)(batch[0])
+    eqx_kfac.register_softmax_cross_entropy_loss(logits, batch[1])
+    return -jax.numpy.mean(jax.nn.log_softmax(logits)[jax.numpy.arange(8), batch[1]])
+def make_step(limit):
+    transform = eqx_kfac.kfac_optax(loss, (model, batch), max_consecutive_faults=limit)
+    def step(params, state):
+        grads = eqx.filter_grad(loss)(eqx.combine(params, static), batch)
+        updates, state = transform.update(grads, state, params, batch=batch, key=jax.random.key(2))
+        return optax.apply_updates(params, updates), state
+    return transform.init(eqx.filter(model, eqx.is_inexact_array)), step
+params, static = eqx.partition(model, eqx.is_inexact_array)
+state, step = make_step(20)
+def guarded_step(params, state):
+    return step(params, state)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.jit(guarded_step)(params, state)
+assert any("will not be stored" in str(w.message) for w in caught), caught
+state, step = make_step(None)
+def free_step(params, state):
+    return step(params, state)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    params, state = jax.jit(free_step)(params, state)
+assert not any("will not be stored" in str(w.message) for w in caught), caught
+eqx_kfac.check_consecutive_faults(state, 20)
+"""
+    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
+    names = [path.name for path in tmp_path.iterdir()]
+    assert any(name.startswith("jit_free_step-") for name in names), names
+    assert not any(name.startswith("jit_guarded_step-") for name in names), names
+
+
+def test_check_consecutive_faults_reads_every_guard_in_a_state():
+    inner = optax.scale_by_schedule(lambda count: jnp.where(count >= 1, jnp.inf, 1.0))
+    guarded = eqx_kfac.skip_non_finite(inner, max_consecutive_faults=None)
+    grads = {"w": jnp.ones(3)}
+    state = guarded.init(grads)
+    for _ in range(3):
+        _, state = guarded.update(grads, state)
+    # Two faults in a row (the first update was applied), found inside any PyTree.
+    eqx_kfac.check_consecutive_faults((grads, state), 3)
+    with pytest.raises(RuntimeError, match="2 consecutive steps were not applied"):
+        eqx_kfac.check_consecutive_faults((grads, state), 2)
+    with pytest.raises(ValueError, match="found no step guard"):
+        eqx_kfac.check_consecutive_faults(grads, 2)
+
+
 def test_a_step_that_raises_the_loss_is_rejected_and_the_damping_raised():
     # A fixed, far too long learning rate with adaptive damping: every step raises the loss.
     # (Adaptive momentum: the configuration of the collapse test above, compiled once.)

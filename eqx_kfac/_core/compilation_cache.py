@@ -44,3 +44,9 @@ def enable_compilation_cache(
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_secs))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return path
+
+
+def persistent_cache_enabled() -> bool:
+    """Whether JAX's persistent compilation cache is on in this process (through
+    `enable_compilation_cache` or JAX's own configuration)."""
+    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)

@@ -4,15 +4,21 @@ A step is *skipped* when its loss, gradient or update is not finite, and *reject
 rejection) when the loss on its batch rises after the update. Either way the parameters and the
 step rule's state stay as they were. The guard counts such steps in a row and stops the run with
 an error that says what happened once there are `max_consecutive_faults` of them, instead of
-skipping for ever in silence.
+skipping for ever in silence: in Python after a directly called `Optimizer.step` (`check`), in
+the program inside a trace (`checked`, a host callback), or in Python on any optimizer state
+(`check_consecutive_faults`), which keeps a user's jitted step free of host callbacks and so
+storable in JAX's persistent compilation cache.
 """
 
+import warnings
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
+from .._core.compilation_cache import persistent_cache_enabled
 from .._core.tree import all_finite
 
 
@@ -52,6 +58,15 @@ _FAULTS_MESSAGE = (
     "loss is near zero and rounds by more than `rounding_tolerance` (StepGuard) units in its last "
     "place (e.g. an exact fit); there, stop training. Pass "
     "max_consecutive_faults=None to keep skipping instead of stopping."
+)
+
+_CACHE_WARNING = (
+    "eqx_kfac: JAX's persistent compilation cache is on, but this jitted step will not be stored "
+    "in it: the step guard's stop after max_consecutive_faults faults in a row is a host callback "
+    "(eqx.error_if), and JAX does not store programs that hold one, so every process compiles the "
+    "step again. To have it stored, pass max_consecutive_faults=None (to kfac_optax, "
+    "skip_non_finite or Optimizer) and call eqx_kfac.check_consecutive_faults(opt_state, 20) after "
+    "each step; or call Optimizer.step outside your own jit, where the check is made in Python."
 )
 
 
@@ -156,7 +171,9 @@ class StepGuard(eqx.Module):
         """`state`, raising at run time (inside `jit` too, through `eqx.error_if`) when the faults
         in a row reached `max_consecutive_faults`. The error is a host callback: JAX's persistent
         compilation cache does not store programs that contain one, so `Optimizer.step` called
-        directly checks in Python (`check`) instead.
+        directly checks in Python (`check`) instead, and with the cache on, tracing this check
+        warns (`_CACHE_WARNING`) so that the program's recompilation in every process is not a
+        silent surprise.
 
         **Arguments:**
 
@@ -168,6 +185,43 @@ class StepGuard(eqx.Module):
         """
         if self.max_consecutive_faults is None:
             return state
+        if persistent_cache_enabled():
+            warnings.warn(_CACHE_WARNING, UserWarning, stacklevel=2)
         count = state.consecutive_faults
         message = _FAULTS_MESSAGE.format(n=self.max_consecutive_faults)
         return GuardState(eqx.error_if(count, self._failed(count), message))
+
+
+def check_consecutive_faults(state: PyTree, max_consecutive_faults: int) -> None:
+    """Raises `RuntimeError` when a step guard in `state` counts `max_consecutive_faults` or more
+    steps in a row that were not applied: the check that `kfac_optax` (and `skip_non_finite`)
+    compile into your step by default, made in Python instead.
+
+    With `kfac_optax(..., max_consecutive_faults=None)` your jitted step holds no host callback,
+    so JAX's persistent compilation cache (`eqx_kfac.enable_compilation_cache`) can store it; call
+    this on the optimizer state after each step so that a run still never skips for ever in
+    silence. Reading the count waits for the step that computed it.
+
+    **Arguments:**
+
+    - `state`: an optimizer state, or any PyTree holding one (an optax chain's state, a tuple of
+      parameters and states): every step guard's count in it is checked.
+    - `max_consecutive_faults`: the number of faults in a row that raises (at least 1).
+
+    **Returns:**
+
+    Nothing; raises `RuntimeError` with the guard's message when the limit is reached, and
+    `ValueError` when `state` holds no step guard.
+    """
+    guard = StepGuard(max_consecutive_faults=max_consecutive_faults)
+    guards = [
+        leaf for leaf in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, GuardState))
+        if isinstance(leaf, GuardState)
+    ]
+    if not guards:
+        raise ValueError(
+            "check_consecutive_faults found no step guard in this state: pass the state of "
+            "kfac_optax, skip_non_finite or Optimizer (or a PyTree that holds it)."
+        )
+    for guard_state in guards:
+        guard.check(guard_state)

@@ -341,11 +341,16 @@ def skip_non_finite(
     what a K-FAC preconditioner made of them (a failed solve, a curvature estimate that
     overflowed). After `max_consecutive_faults` skipped steps in a row the run stops with an
     error that says what happened (at run time, inside `jit` too), instead of skipping for ever.
+    That error is a host callback, which JAX's persistent compilation cache does not store: to
+    have your jitted step stored, pass `max_consecutive_faults=None` and call
+    `eqx_kfac.check_consecutive_faults(state, n)` after each step instead (tracing the step with
+    the cache on and the check compiled in warns).
 
     **Arguments:**
 
     - `inner`: the transformation to guard (e.g. a chain with `kfac_preconditioner`).
-    - `max_consecutive_faults`: the number of skipped steps in a row that raises (`None`: never).
+    - `max_consecutive_faults`: the number of skipped steps in a row that raises (`None`: not
+      checked in the program; see above).
 
     **Returns:**
 
