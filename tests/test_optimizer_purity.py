@@ -73,14 +73,21 @@ def test_step_inside_user_jit_equals_direct_call_and_compiles_once():
 
 def test_compiler_options_reach_the_directly_called_step_only():
     """`compiler_options` go to XLA with the step `step` compiles (XLA rejects an unknown name), and
-    a user's own jit compiles with its own: the option is then ignored. The default's option is
-    for GPUs: on this CPU the steps equal those of XLA's defaults."""
+    a user's own jit compiles with its own: the option is then ignored. The default is
+    `eqx_kfac.COMPILER_OPTIONS` (read-only), whose option is for GPUs: on this CPU the steps equal
+    those of XLA's defaults, and a user's jit takes it as the docs pass it."""
+    assert OPT.compiler_options == tuple(sorted(COMPILER_OPTIONS.items()))
+    with pytest.raises(TypeError):
+        COMPILER_OPTIONS["xla_gpu_enable_triton_gemm"] = True
     bogus = _optimizer(compiler_options={"xla_no_such_option_of_eqx_kfac": True})
     state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
     key = jax.random.key(1)
     with pytest.raises(Exception, match="xla_no_such_option_of_eqx_kfac"):
         bogus.step(PROBLEM.params, state0, key, batch=BATCH)
-    inside = eqx.filter_jit(lambda p, s: bogus.step(p, s, key, batch=BATCH))(PROBLEM.params, state0)
+    users_jit = eqx.filter_jit(
+        lambda p, s: bogus.step(p, s, key, batch=BATCH), compiler_options=dict(COMPILER_OPTIONS)
+    )
+    inside = users_jit(PROBLEM.params, state0)
     xla_defaults = _optimizer(compiler_options=None)
     _assert_trees_equal(inside, xla_defaults.step(PROBLEM.params, state0, key, batch=BATCH))
     _assert_trees_equal(OPT.step(PROBLEM.params, state0, key, batch=BATCH), inside)
@@ -90,21 +97,6 @@ def test_compiler_options_reach_the_directly_called_step_only():
 
     inside = eqx.filter_jit(ft.partial(from_iterator, bogus))(PROBLEM.params, state0)
     _assert_trees_equal(inside, from_iterator(xla_defaults, PROBLEM.params, state0))
-
-
-def test_the_published_compiler_options_are_the_default_and_fit_a_users_jit():
-    """`eqx_kfac.COMPILER_OPTIONS` is what `Optimizer` compiles its step with unless told
-    otherwise, cannot be changed in place, and works as the docs pass it to a user's own
-    `eqx.filter_jit` (on this CPU the GPU option changes nothing)."""
-    assert OPT.compiler_options == tuple(sorted(COMPILER_OPTIONS.items()))
-    with pytest.raises(TypeError):
-        COMPILER_OPTIONS["xla_gpu_enable_triton_gemm"] = True
-    state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
-    key = jax.random.key(1)
-    users_jit = eqx.filter_jit(
-        lambda p, s: OPT.step(p, s, key, batch=BATCH), compiler_options=dict(COMPILER_OPTIONS)
-    )
-    _assert_trees_equal(users_jit(PROBLEM.params, state0), OPT.step(PROBLEM.params, state0, key, batch=BATCH))
 
 
 def test_checkpoint_resume_is_bit_identical():

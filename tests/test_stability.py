@@ -199,33 +199,12 @@ def test_faults_in_a_row_stop_a_run_inside_jit_too():
         jax.block_until_ready(step(PROBLEM.params, state, (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])))
 
 
-def test_the_step_called_directly_is_stored_by_the_persistent_cache(tmp_path):
-    # The guard checks its count in Python when `step` is called directly, so the compiled step
-    # holds no host callback, which JAX's persistent compilation cache refuses to store.
-    script = f"""
-import jax, equinox as eqx, eqx_kfac
-eqx_kfac.enable_compilation_cache({str(tmp_path)!r}, min_compile_time_secs=0.0)
-model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
-x, y = jax.random.normal(jax.random.key(1), (8, 3)), jax.numpy.arange(8) % 2
-def loss(model, batch):
-    logits = jax.vmap(model)(batch[0])
-    eqx_kfac.register_softmax_cross_entropy_loss(logits, batch[1])
-    return -jax.numpy.mean(jax.nn.log_softmax(logits)[jax.numpy.arange(8), batch[1]])
-opt = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0,
-                         use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-                         use_adaptive_damping=True)
-state = opt.init(model, jax.random.key(0), (x, y))
-opt.step(model, state, jax.random.key(1), batch=(x, y))
-"""
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
-    assert any(path.name.startswith("jit__jitted_step-") for path in tmp_path.iterdir())
-
-
-def test_kfac_optax_without_the_in_program_check_is_stored_and_the_check_warns(tmp_path):
-    # kfac_optax's default stop after 20 faults in a row is a host callback in the user's jitted
-    # step, which the persistent cache does not store: tracing it with the cache on warns. With
-    # max_consecutive_faults=None the step is stored (and checked in Python instead).
+def test_the_persistent_cache_stores_steps_without_a_host_callback(tmp_path):
+    # JAX's persistent compilation cache does not store a program that holds a host callback.
+    # `Optimizer.step` called directly checks its guard's count in Python, so its compiled step
+    # holds none and is stored. kfac_optax's default stop after 20 faults in a row is a callback
+    # in the user's jitted step: tracing it with the cache on warns, and the step is not stored;
+    # with max_consecutive_faults=None it is (and `check_consecutive_faults` checks in Python).
     script = f"""
 import warnings, jax, equinox as eqx, optax, eqx_kfac
 eqx_kfac.enable_compilation_cache({str(tmp_path)!r}, min_compile_time_secs=0.0)
@@ -235,14 +214,18 @@ def loss(model, batch):
     logits = jax.vmap(model)(batch[0])
     eqx_kfac.register_softmax_cross_entropy_loss(logits, batch[1])
     return -jax.numpy.mean(jax.nn.log_softmax(logits)[jax.numpy.arange(8), batch[1]])
+opt = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0,
+                         use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                         use_adaptive_damping=True)
+opt.step(model, opt.init(model, jax.random.key(0), batch), jax.random.key(1), batch=batch)
+params, static = eqx.partition(model, eqx.is_inexact_array)
 def make_step(limit):
     transform = eqx_kfac.kfac_optax(loss, (model, batch), max_consecutive_faults=limit)
     def step(params, state):
         grads = eqx.filter_grad(loss)(eqx.combine(params, static), batch)
         updates, state = transform.update(grads, state, params, batch=batch, key=jax.random.key(2))
         return optax.apply_updates(params, updates), state
-    return transform.init(eqx.filter(model, eqx.is_inexact_array)), step
-params, static = eqx.partition(model, eqx.is_inexact_array)
+    return transform.init(params), step
 state, step = make_step(20)
 def guarded_step(params, state):
     return step(params, state)
@@ -262,6 +245,7 @@ eqx_kfac.check_consecutive_faults(state, 20)
     env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
     names = [path.name for path in tmp_path.iterdir()]
+    assert any(name.startswith("jit__jitted_step-") for name in names), names
     assert any(name.startswith("jit_free_step-") for name in names), names
     assert not any(name.startswith("jit_guarded_step-") for name in names), names
 
