@@ -52,7 +52,7 @@ from collections.abc import Sequence
 import jax
 
 import eqx_kfac
-from benchmarks.harness import FirstCall, Method, Outcome, first_call, registration_summary, report, run_round
+from benchmarks.harness import Method, Outcome, first_call, registration_summary, report, run_round
 from benchmarks.model_zoo.equinox_examples import EXAMPLES, diffusion, unet
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -121,22 +121,24 @@ def _example_child(name: str, steps: int, path: str, cache: bool) -> None:
         pickle.dump(run_example(name, steps, cache), file)
 
 
-def _unet_child(method: str) -> None:
+def _unet_child(method: str, cache: bool) -> None:
     """In the subprocess: the U-Net's first call of one method, a line per finished stage."""
     problem = unet.problem(jax.random.key(MODEL_SEED))
-    chosen = {m.name: m for m in methods(diffusion.NOTEBOOK_OPTIMIZER)}[method]
+    chosen = {m.name: m for m in methods(diffusion.NOTEBOOK_OPTIMIZER, cache)}[method]
     first_call(problem, chosen, on_stage=lambda stage, seconds: print(f"stage {stage} {seconds}", flush=True))
 
 
-def unet_first_call(method: str, timeout: float) -> dict[str, float]:
-    """The U-Net's first call of `method`, stage by stage, in a subprocess stopped at `timeout` s.
+def unet_first_call(method: str, timeout: float, cache: str | None = None) -> dict[str, float]:
+    """The U-Net's first call of `method`, stage by stage, in a subprocess stopped at `timeout` s
+    (with the persistent compilation cache in `cache`, if given).
 
     **Returns:**
 
     `stage -> seconds` of the stages that finished; when the call did not finish, `"running"`
     holds the seconds the unfinished stage ran until the subprocess was stopped.
     """
-    command = [sys.executable, os.path.abspath(__file__), "--unet-child", method]
+    command = [sys.executable, os.path.abspath(__file__), "--unet-child", method,
+               *(["--compilation-cache", cache] if cache else [])]
     start = time.perf_counter()
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=timeout).stdout
@@ -191,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         eqx_kfac.enable_compilation_cache(args.compilation_cache, min_compile_time_secs=0)
     if args.unet_child or args.example_child:
         if args.unet_child:
-            _unet_child(args.unet_child)
+            _unet_child(args.unet_child, bool(args.compilation_cache))
         else:
             _example_child(args.example_child, args.steps, args.save, bool(args.compilation_cache))
         return 0
@@ -217,7 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "\n".join([*(report.summary(outcome) for outcome in outcomes), *failures]),
     ] if outcomes else failures
     if args.unet:
-        results = {m.name: unet_first_call(m.name, args.unet_timeout) for m in methods(diffusion.NOTEBOOK_OPTIMIZER)}
+        results = {
+            m.name: unet_first_call(m.name, args.unet_timeout, args.compilation_cache)
+            for m in methods(diffusion.NOTEBOOK_OPTIMIZER)
+        }
         sections.append("U-Net (diffusion), first call by stage:\n\n" + unet_table(results))
     sections.append(f"{time.perf_counter() - start:.0f} s in all on {jax.devices()[0].platform}.")
     text = "\n\n".join(sections)

@@ -65,8 +65,9 @@ _CACHE_WARNING = (
     "in it: the step guard's stop after max_consecutive_faults faults in a row is a host callback "
     "(eqx.error_if), and JAX does not store programs that hold one, so every process compiles the "
     "step again. To have it stored, pass max_consecutive_faults=None (to kfac_optax, "
-    "skip_non_finite or Optimizer) and call eqx_kfac.check_consecutive_faults(opt_state, 20) after "
-    "each step; or call Optimizer.step outside your own jit, where the check is made in Python."
+    "skip_non_finite or Optimizer) and call "
+    "eqx_kfac.check_consecutive_faults(opt_state, {n}) after each step; or call Optimizer.step "
+    "outside your own jit, where the check is made in Python."
 )
 
 
@@ -185,10 +186,11 @@ class StepGuard(eqx.Module):
         """
         if self.max_consecutive_faults is None:
             return state
+        n = self.max_consecutive_faults
         if persistent_cache_enabled():
-            warnings.warn(_CACHE_WARNING, UserWarning, stacklevel=2)
+            warnings.warn(_CACHE_WARNING.format(n=n), UserWarning, stacklevel=2)
         count = state.consecutive_faults
-        message = _FAULTS_MESSAGE.format(n=self.max_consecutive_faults)
+        message = _FAULTS_MESSAGE.format(n=n)
         return GuardState(eqx.error_if(count, self._failed(count), message))
 
 
