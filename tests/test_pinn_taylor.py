@@ -27,9 +27,12 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("out_size", ["scalar", 2])
-def test_mlp_value_gradient_and_laplacian(getkey, out_size):
-    model = eqx.nn.MLP(3, out_size, 5, 2, activation=jax.nn.softplus, final_activation=jnp.tanh, key=getkey())
+@pytest.mark.parametrize("out_size, use_bias", [("scalar", True), (2, True), (2, False)])
+def test_mlp_value_gradient_and_laplacian(getkey, out_size, use_bias):
+    model = eqx.nn.MLP(
+        3, out_size, 5, 2, activation=jax.nn.softplus, final_activation=jnp.tanh,
+        use_bias=use_bias, use_final_bias=use_bias, key=getkey(),
+    )
     x = jax.random.normal(getkey(), (4, 3))
     out = eqx.filter_jit(eqx_kfac.taylor_forward)(model, eqx_kfac.TaylorInput(x))
     value, gradient, laplacian = _reference(model, x)
