@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from eqx_kfac._core.control_flow import apply_if, periodic
-from eqx_kfac._core.tree import SMALL_LEAF, all_finite, inner_products
+from eqx_kfac._core.tree import SMALL_LEAF, all_finite, inner_products, under_a_trace
 from eqx_kfac._curvature.estimators.base import _acceptable
 
 
@@ -114,3 +114,23 @@ def test_statistics_check_sees_a_fault_or_an_outlier_in_any_statistic(size):
     grown = pairs[:2] + [(faulty * 1e6, faulty)]
     assert not bool(_acceptable(grown, 1e3)) and bool(_acceptable(grown, None))
     assert bool(_acceptable(grown, 1e7))
+
+
+def test_under_a_trace_is_true_where_a_nested_jit_would_be_staged():
+    # The loss checks compile their one evaluation with compiler options, which JAX takes on a
+    # top-level jit only: `under_a_trace` must be true exactly where such a call would be nested.
+    seen = {}
+
+    def probe(name):
+        def f(x):
+            seen[name] = under_a_trace()
+            return x
+
+        return f
+
+    probe("eager")(1.0)
+    jax.jit(probe("jit"))(1.0)
+    jax.make_jaxpr(probe("make_jaxpr"))(1.0)
+    jax.grad(probe("grad"))(1.0)
+    jax.vmap(probe("vmap"))(jnp.ones(2))
+    assert seen == dict(eager=False, jit=True, make_jaxpr=True, grad=False, vmap=False)

@@ -8,7 +8,8 @@ program, compiled once per operator structure. Inside a trace (a user's `jit`, `
 the function is traced inline, as any other.
 
 The library's own compiled programs (these, and `Optimizer.step` called directly) are compiled
-with `COMPILER_OPTIONS`.
+with `COMPILER_OPTIONS`; a program it runs once, to check a loss before training, with
+`ONE_OFF_COMPILER_OPTIONS`.
 """
 
 import functools
@@ -34,6 +35,15 @@ your own `jit`, whose compiler options apply: pass these there,
 `eqx.filter_jit(train_step, compiler_options=dict(eqx_kfac.COMPILER_OPTIONS))` (or `jax.jit`'s
 same keyword).
 """
+
+
+ONE_OFF_COMPILER_OPTIONS = types.MappingProxyType(
+    {**COMPILER_OPTIONS, "xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0}
+)
+"""The XLA options of a program the library runs once (the loss checks' one evaluation of the
+loss, `_curvature/estimators/loss_checks.py`): its compilation is the whole cost, so LLVM does
+not optimise its kernels and a GPU's GEMMs are not autotuned. On the 2-core CPU, the ViT of
+`benchmarks/examples.py`: the checks took 2.2-2.4 s with `COMPILER_OPTIONS`, 1.8-1.9 s with these."""
 
 
 @eqx.filter_jit(compiler_options=dict(COMPILER_OPTIONS))

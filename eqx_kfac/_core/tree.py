@@ -160,6 +160,19 @@ def any_traced(tree: PyTree) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
 
 
+def under_a_trace() -> bool:
+    """Whether a transformation that stages operations out (`jit`, `make_jaxpr`, ...) is tracing
+    the caller: there JAX stages even an operation on constants, so a new array is a tracer (under
+    `grad` or `vmap` alone it is not, and a `jit` called there on concrete arrays runs as a
+    top-level one).
+
+    **Returns:**
+
+    A Python bool.
+    """
+    return isinstance(jnp.zeros((), jnp.int8), jax.core.Tracer)
+
+
 def signature(tree: PyTree) -> Hashable:
     """The structure, shapes and dtypes of `tree`: equal for trees that trace alike.
 

@@ -24,7 +24,7 @@ from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState
 from .._curvature.estimators.base import batch_size_of
 from .._curvature.estimators.distributed import distributed_update_cache
 from .._curvature.estimators.fallbacks import check_on_unmatched
-from .._curvature.estimators.loss_checks import check_batch_size, check_labels, check_loss_is_averaged
+from .._curvature.estimators.loss_checks import check_batch_size, check_loss_values
 from .._curvature.estimators.modes import check_estimation_mode, check_mode_name
 from .._tracing.tracer import trace
 from .direction import AbstractDirection, DirectionOutcome, PreconditionedGradient
@@ -182,8 +182,7 @@ class Preconditioner(eqx.Module):
             check_batch_size(estimator.func, func_args, batch_size)
         # The estimator's function is `func` with its layers tagged (tags return their inputs):
         # the same values, and the trace the estimator made already.
-        check_loss_is_averaged(estimator.func, loss_of, func_args, batch_size)
-        check_labels(estimator.func, loss_of, func_args)
+        check_loss_values(estimator.func, loss_of, func_args, batch_size)
 
     def init(self, estimator: BlockDiagonalCurvature, key: PRNGKeyArray | None = None) -> EstimatorState:
         """The estimator's state, with the direction's powers cached when the schedule caches."""

@@ -141,21 +141,20 @@ def _one_free(a: Array, b: Array, index: int, other_value: Array | None, box: Co
     return jnp.where(box.lower == box.upper, box.lower, jnp.clip(value, box.lower, box.upper))
 
 
+def _solve_pair(a: Array, b: Array) -> Array:
+    """`a⁻¹ b` for a 2x2 `a`, by Cramer's rule (forward stable in two dimensions): a few scalar
+    operations, where `jnp.linalg.solve` compiles an LU factorisation's loop into a dozen
+    kernels. A singular or non-finite `a` gives non-finite entries."""
+    det = a[0, 0] * a[1, 1] - a[0, 1] * a[1, 0]
+    return jnp.stack([a[1, 1] * b[0] - a[0, 1] * b[1], a[0, 0] * b[1] - a[1, 0] * b[0]]) / det
+
+
 def _unconstrained_pair(a: Array, b: Array) -> Array:
     """The stationary point of a two-vector model; with a zero second vector (a zero previous
     update, as on the first step) its coefficient is zero and the first is solved alone."""
     last_is_zero = jnp.all(a[-1] == 0) & jnp.all(a[:, -1] == 0)
-
-    def solve(matrix, rhs):
-        bad = jnp.any(~jnp.isfinite(matrix))
-        return jax.lax.cond(
-            bad, lambda: jnp.full_like(rhs, jnp.nan), lambda: jnp.linalg.solve(matrix, rhs)
-        )
-
-    def without_last():
-        return jnp.concatenate([solve(a[:-1, :-1], b[:-1]), jnp.zeros_like(b[-1:])])
-
-    return -jax.lax.cond(last_is_zero, without_last, lambda: solve(a, b))
+    first_alone = jnp.stack([b[0] / a[0, 0], jnp.zeros_like(b[1])])
+    return -jnp.where(last_is_zero, first_alone, _solve_pair(a, b))
 
 
 def _minimise_pair(a: Array, b: Array, boxes: Sequence[CoefficientRange]) -> Array:

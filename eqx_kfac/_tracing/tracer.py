@@ -2,8 +2,8 @@
 
 `trace(func, func_args, params_index)` traces `func(*func_args)` once per argument structure,
 shapes and dtypes (cached) into a jaxpr, finds its tags and describes every parameter leaf by a
-`LayerSpec`. The transformations built on it (`loss_tags_vjp`, `loss_tags_jvp`, `loss_tags_hvp`,
-`layer_tags_vjp`) re-evaluate that jaxpr with `jaxpr_interpreter.eval_jaxpr`, so they are pure
+`LayerSpec`. The functions built on it (`registered_losses`, `loss_tags_vjp`, `loss_tags_jvp`,
+`loss_tags_hvp`, `layer_tags_vjp`) re-evaluate that jaxpr with `jaxpr_interpreter.eval_jaxpr`, so they are pure
 functions of the arguments, usable inside `jit`, `vmap` and `shard_map`, and never retrace `func`
 for arguments of the same structure.
 
@@ -72,6 +72,25 @@ def _losses_and_inputs(traced: TracedFunction, others):
         return tuple(run.loss_inputs), run.losses
 
     return forward
+
+
+def registered_losses(func: Callable, func_args: Sequence[Any], params_index: int = 0) -> tuple[Any, ...]:
+    """The registered loss objects (with their inputs) of `func` at `func_args`, from a forward
+    evaluation alone (what `loss_tags_vjp` gives first, without tracing its derivative).
+
+    **Arguments:**
+
+    - `func`: the function registering the losses.
+    - `func_args`: its arguments.
+    - `params_index`: which argument holds the parameters.
+
+    **Returns:**
+
+    The tuple of loss objects.
+    """
+    traced = trace(func, func_args, params_index)
+    params, others = traced.split_args(func_args)
+    return tuple(run_traced(traced, params, others, LossHook()).losses)
 
 
 def loss_tags_vjp(func: Callable, params_index: int = 0) -> Callable:

@@ -53,7 +53,9 @@ _JITTED = {}
 _jax_jit = jax.jit
 
 
-def _capturing_jit(fun, *args, **kwargs):
+def _capturing_jit(fun=None, *args, **kwargs):
+    if fun is None:  # `jax.jit(static_argnames=...)` as a decorator (JAX >= 0.10)
+        return lambda f: _capturing_jit(f, *args, **kwargs)
     jitted = _jax_jit(fun, *args, **kwargs)
     _JITTED[getattr(fun, "__qualname__", "")] = jitted
     return jitted

@@ -23,18 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core.tree import any_traced
+from ..._core.compiled import ONE_OFF_COMPILER_OPTIONS
+from ..._core.tree import any_traced, under_a_trace
 from ..._tracing.losses import CategoricalLogitsNegativeLogProbLoss
-from ..._tracing.tracer import loss_tags_vjp, registration_problems, trace
+from ..._tracing.tracer import registered_losses, registration_problems, trace
 from .fallbacks import user_stacklevel
 
 
-@eqx.filter_jit
+@eqx.filter_jit(compiler_options=dict(ONE_OFF_COMPILER_OPTIONS))
 def _loss_facts(func, loss_of, func_args, params_index):
     """The returned loss, the registered losses' sum (`None` when they have no targets) and
     each registered loss's count of labels out of range."""
     returned = loss_of(func(*func_args))
-    losses, _ = loss_tags_vjp(func, params_index)(func_args)
+    losses = registered_losses(func, func_args, params_index)
     labels = [
         loss.targets_out_of_range() if isinstance(loss, CategoricalLogitsNegativeLogProbLoss) else 0
         for loss in losses
@@ -52,39 +53,45 @@ def _concrete_facts(func, loss_of, func_args, params_index):
     """`_loss_facts` on concrete arguments, `None` for abstract ones or inside a trace."""
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(func_args)):
         return None
-    facts = _loss_facts(func, loss_of, tuple(func_args), params_index)
-    if any_traced(facts):
+    if any_traced(func_args) or under_a_trace():
         return None  # called inside a trace (e.g. a transformation rebuilt under jit): no values
-    return facts
+    return _loss_facts(func, loss_of, tuple(func_args), params_index)
 
 
-def check_loss_is_averaged(
+def check_loss_values(
     func: Callable[..., Any],
     loss_of: Callable[[Any], Any],
     func_args: Sequence[Any],
     batch_size: int,
     params_index: int = 0,
 ) -> None:
-    """Raises `ValueError` when `func` returns its registered losses summed over the batch.
+    """Raises `ValueError` when, on concrete arguments, `func` returns its registered losses
+    summed over the batch, or a categorical loss is registered with labels outside `[0, classes)`.
 
-    Evaluates the function once (compiled) on concrete arguments. The loss counts as summed when
-    it is within 5% of `batch_size` times the registered losses' mean and far from the mean
-    itself; a regulariser or other terms added to the loss leave room for that. Skipped when the
-    registered losses have no targets (they cannot be evaluated) or the batch has one example.
+    Evaluates the function once (compiled, with `ONE_OFF_COMPILER_OPTIONS`); skipped for abstract
+    arguments or inside a trace. The loss counts as summed when it is within 5% of `batch_size`
+    times the registered losses' mean and far from the mean itself; a regulariser or other terms
+    added to the loss leave room for that. That check is skipped when the registered losses have
+    no targets (they cannot be evaluated) or the batch has one example.
 
     **Arguments:**
 
     - `func`: the loss function.
     - `loss_of`: maps `func`'s output to the loss value.
-    - `func_args`: concrete arguments of `func`.
+    - `func_args`: its arguments.
     - `batch_size`: the number of examples in them.
     - `params_index`: position of the parameters among the arguments.
     """
-    facts = None if batch_size < 2 else _concrete_facts(func, loss_of, func_args, params_index)
-    if facts is None or facts[1] is None:
+    facts = _concrete_facts(func, loss_of, func_args, params_index)
+    if facts is None:
         return
-    returned, total, _ = facts
-    returned, mean = float(returned), float(total) / batch_size
+    returned, total, labels = facts
+    if batch_size >= 2 and total is not None:
+        _check_averaged(float(returned), float(total) / batch_size, batch_size)
+    _check_labels(labels)
+
+
+def _check_averaged(returned: float, mean: float, batch_size: int) -> None:
     if not (np.isfinite(returned) and np.isfinite(mean)) or mean == 0:
         return
     if abs(returned / (batch_size * mean) - 1) < 0.05 and abs(returned / mean - 1) > 0.5:
@@ -96,6 +103,17 @@ def check_loss_is_averaged(
             "`jnp.mean` instead of `jnp.sum`), or register the losses with `weight=` the factor "
             "you sum with."
         )
+
+
+def _check_labels(labels: Sequence[Any]) -> None:
+    for k, count in enumerate(labels):
+        if int(count):
+            raise ValueError(
+                f"eqx_kfac: registered loss #{k} (a categorical loss) has {int(count)} labels outside "
+                "[0, classes) (e.g. -1 used as 'ignore'). Give such examples a valid label and "
+                "`mask=0` in the register_* call instead (labels outside the range give a NaN loss "
+                "in the curvature, and the step is skipped)."
+            )
 
 
 def check_batch_size(
@@ -143,28 +161,3 @@ def warn_about_registrations(func: Callable[..., Any], func_args: Sequence[Any],
     """
     for problem in registration_problems(trace(func, func_args, params_index), func_args):
         warnings.warn(f"eqx_kfac: {problem}", UserWarning, stacklevel=user_stacklevel(sys._getframe()))
-
-
-def check_labels(
-    func: Callable[..., Any], loss_of: Callable[[Any], Any], func_args: Sequence[Any], params_index: int = 0
-) -> None:
-    """Raises `ValueError` when a categorical loss is registered with labels outside
-    `[0, classes)` in concrete arguments (skipped for abstract ones; the evaluation is the one
-    `check_loss_is_averaged` compiles).
-
-    **Arguments:**
-
-    - `func`: the loss function.
-    - `loss_of`: maps `func`'s output to the loss value.
-    - `func_args`: its arguments.
-    - `params_index`: position of the parameters among the arguments.
-    """
-    facts = _concrete_facts(func, loss_of, func_args, params_index)
-    for k, count in enumerate([] if facts is None else facts[2]):
-        if int(count):
-            raise ValueError(
-                f"eqx_kfac: registered loss #{k} (a categorical loss) has {int(count)} labels outside "
-                "[0, classes) (e.g. -1 used as 'ignore'). Give such examples a valid label and "
-                "`mask=0` in the register_* call instead (labels outside the range give a NaN loss "
-                "in the curvature, and the step is skipped)."
-            )
