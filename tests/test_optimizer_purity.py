@@ -227,4 +227,6 @@ def test_init_compiles_one_program_for_the_whole_state(xla_compilations):
     OPT.init(PROBLEM.params, jax.random.key(0), BATCH)  # the estimator, built once
     key = jax.random.key(1)
     count = xla_compilations(lambda: OPT.init(PROBLEM.params, key, BATCH))
-    assert count <= 2, count  # the loss's checks, and the state
+    # The loss's checks, the state, and the one scalar by which the checks see whether a `jit`
+    # is tracing them (a program compiled once per process, counted here after `clear_caches`).
+    assert count <= 3, count
