@@ -73,6 +73,7 @@ class TracedFunction:
     - `layer_specs`: one `LayerSpec` per layer (tags in order of the jaxpr, then one generic spec
       per parameter leaf no tag claims, origin `"unregistered"`).
     - `loss_classes`: the class of each registered loss, in order.
+    - `loss_has_targets`: whether each registered loss was registered with targets.
     - `loss_batch_size`: the leading dimension of the first registered loss's inputs (the
       registrations' batch dimension).
     - `param_paths`: readable paths of all parameter leaves.
@@ -117,8 +118,9 @@ class TracedFunction:
                 "`eqx_kfac.register_squared_error_loss(prediction, targets)`) on the model's output "
                 "inside the function."
             )
-        self._loss_paths = tuple(path for path, _, _ in losses)
-        self.loss_classes = tuple(cls for _, cls, _ in losses)
+        self._loss_paths = tuple(path for path, *_ in losses)
+        self.loss_classes = tuple(cls for _, cls, *_ in losses)
+        self.loss_has_targets = tuple(has_targets for *_, has_targets in losses)
         # The registrations' convention: the leading dimension of a loss's inputs is the batch.
         self.loss_batch_size: int = losses[0][2]
         self.layer_specs = self._make_specs(layers, params_avals)
@@ -317,7 +319,7 @@ def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str], live: fr
     """
     layers: list[_Occurrence] = []
     unused: set[int] = set()
-    losses: list[tuple[tuple[int, ...], type]] = []
+    losses: list[tuple[tuple[int, ...], type, int, bool]] = []
 
     def walk(jaxpr: Jaxpr, sources: dict, path: tuple, scans: tuple):
         for index, eqn in enumerate(jaxpr.eqns):
@@ -344,7 +346,10 @@ def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str], live: fr
                     )
                 structure = eqn.params["structure"]
                 shape = eqn.invars[0].aval.shape
-                losses.append((here, type(structure.static), int(shape[0]) if shape else 1))
+                # The array leaves filled with a marker: a loss registered without targets has None.
+                marked = jax.tree.unflatten(structure.treedef, [True] * structure.treedef.num_leaves)
+                has_targets = getattr(marked, "targets", None) is not None
+                losses.append((here, type(structure.static), int(shape[0]) if shape else 1, has_targets))
             elif is_layer_tag_eqn(eqn):
                 tag = layer_tag_of(eqn)
                 if here in live or not tag.num_outputs:

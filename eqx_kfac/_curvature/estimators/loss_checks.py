@@ -26,36 +26,48 @@ import numpy as np
 from ..._core.compiled import ONE_OFF_COMPILER_OPTIONS
 from ..._core.tree import any_traced, under_a_trace
 from ..._tracing.losses import CategoricalLogitsNegativeLogProbLoss
+from ..._tracing.losses.custom import CustomLoss
 from ..._tracing.tracer import registered_losses, registration_problems, trace
 from .fallbacks import user_stacklevel
 
 
+def _what_to_check(func, func_args, params_index) -> tuple[bool, tuple[bool, ...]]:
+    """Whether the registered losses' sum can be evaluated (every loss has targets, or is a
+    custom loss, which evaluates without), and which losses are categorical (their labels are
+    checked): known from the trace, before anything is evaluated."""
+    traced = trace(func, func_args, params_index)
+    evaluable = all(
+        has_targets or issubclass(cls, CustomLoss)
+        for cls, has_targets in zip(traced.loss_classes, traced.loss_has_targets, strict=True)
+    )
+    return evaluable, tuple(issubclass(cls, CategoricalLogitsNegativeLogProbLoss) for cls in traced.loss_classes)
+
+
 @eqx.filter_jit(compiler_options=dict(ONE_OFF_COMPILER_OPTIONS))
-def _loss_facts(func, loss_of, func_args, params_index):
-    """The returned loss, the registered losses' sum (`None` when they have no targets) and
-    each registered loss's count of labels out of range."""
-    returned = loss_of(func(*func_args))
+def _loss_facts(func, loss_of, func_args, params_index, evaluable, categorical):
+    """The returned loss and the registered losses' sum (both `None` unless `evaluable`), and
+    each categorical loss's count of labels out of range."""
     losses = registered_losses(func, func_args, params_index)
-    labels = [
-        loss.targets_out_of_range() if isinstance(loss, CategoricalLogitsNegativeLogProbLoss) else 0
-        for loss in losses
-    ]
-    try:
-        total = sum(jnp.sum(loss.evaluate()) for loss in losses)
-    except ValueError as error:
-        if "has no targets" not in str(error):
-            raise
-        total = None
-    return returned, total, labels
+    labels = [loss.targets_out_of_range() for loss, c in zip(losses, categorical) if c]
+    if not evaluable:
+        return None, None, labels
+    total = sum(jnp.sum(loss.evaluate()) for loss in losses)
+    return loss_of(func(*func_args)), total, labels
 
 
-def _concrete_facts(func, loss_of, func_args, params_index):
-    """`_loss_facts` on concrete arguments, `None` for abstract ones or inside a trace."""
+def _concrete_facts(func, loss_of, func_args, batch_size, params_index):
+    """`_loss_facts` on concrete arguments; `None` for abstract ones, inside a trace, or when
+    there is nothing to check (no categorical loss, and no sum to compare: a loss without
+    targets, or one example), which then compiles and evaluates nothing."""
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(func_args)):
+        return None
+    evaluable, categorical = _what_to_check(func, func_args, params_index)
+    evaluable = evaluable and batch_size >= 2
+    if not (evaluable or any(categorical)):
         return None
     if any_traced(func_args) or under_a_trace():
         return None  # called inside a trace (e.g. a transformation rebuilt under jit): no values
-    return _loss_facts(func, loss_of, tuple(func_args), params_index)
+    return _loss_facts(func, loss_of, tuple(func_args), params_index, evaluable, categorical)
 
 
 def check_loss_values(
@@ -82,11 +94,11 @@ def check_loss_values(
     - `batch_size`: the number of examples in them.
     - `params_index`: position of the parameters among the arguments.
     """
-    facts = _concrete_facts(func, loss_of, func_args, params_index)
+    facts = _concrete_facts(func, loss_of, func_args, batch_size, params_index)
     if facts is None:
         return
     returned, total, labels = facts
-    if batch_size >= 2 and total is not None:
+    if total is not None:
         _check_averaged(float(returned), float(total) / batch_size, batch_size)
     _check_labels(labels)
 
