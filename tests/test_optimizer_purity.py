@@ -4,6 +4,7 @@ non-finite steps change nothing, and the registration report is logged."""
 import functools as ft
 import io
 import logging
+import threading
 
 import equinox as eqx
 import jax
@@ -230,3 +231,26 @@ def test_init_compiles_one_program_for_the_whole_state(xla_compilations):
     # The loss's checks, the state, and the one scalar by which the checks see whether a `jit`
     # is tracing them (a program compiled once per process, counted here after `clear_caches`).
     assert count <= 3, count
+
+
+def test_first_step_compiles_its_program_once_during_the_burn_in():
+    # Called directly, the first step runs its burn-in updates (a program of their own) first;
+    # the step's program is compiled meanwhile in a thread of its own, and not again after.
+    optimizer = _optimizer(curvature_ema=0.9)  # a new configuration: nothing compiled for it yet
+    state = optimizer.init(PROBLEM.params, jax.random.key(0), BATCH)
+    key = jax.random.key(1)
+    compiles = []
+
+    def listener(event, seconds, fun_name="", **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((threading.current_thread().name, fun_name))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        optimizer.step(PROBLEM.params, state, key, batch=BATCH)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    steps = [thread for thread, name in compiles if "_jitted_step" in name]
+    assert steps == ["eqx_kfac-compile"], compiles
+    assert any("_jitted_burnin" in name for _, name in compiles), compiles
+

@@ -36,7 +36,7 @@ from .._core.tree import signature
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
 from .abstract_optimizer import AbstractOptimizer
 from .arguments import check_batch, check_func_state, check_params, check_scalar_loss, params_signature
-from .compilation import compiled_step, initial_state, jitted_burnin
+from .compilation import compiled_step, compiling_step_meanwhile, initial_state, jitted_burnin
 from .damping import AbstractDampingRule
 from .direction import AbstractDirection
 from .guard import StepGuard
@@ -485,16 +485,24 @@ class Optimizer(AbstractOptimizer):
             step_int = int(state.step_counter)
         original = state
         burnin = self.refresh.num_burnin_steps
+        compiling = None
         if step_int == 0 and burnin > 0:
             for i in range(burnin):
                 burnin_batch = next(data_iterator)
                 if not batches_checked:
                     check_batch(state.batch_signature, burnin_batch, f"burn-in batch #{i}")
+                if compiling is None and not isinstance(state.step_counter, jax.core.Tracer):
+                    # The step's structure is known (its batch that of every burn-in batch):
+                    # compile it while the burn-in compiles and runs.
+                    structure = (params, state, rng, burnin_batch, func_state, given)
+                    compiling = compiling_step_meanwhile(self, structure)
                 state = jitted_burnin(self, params, state, rng, burnin_batch, func_state, i)
         batch = next(data_iterator)
         if not batches_checked:
             check_batch(state.batch_signature, batch, "batch from data_iterator")
         args = self._calibrated((params, state, rng, batch, func_state, given), False, step_int)
+        if compiling is not None:
+            compiling.wait()
         out = compiled_step(self, args, False)
         if state is original:
             return out
