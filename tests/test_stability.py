@@ -405,8 +405,18 @@ def test_suspicious_registrations_warn_and_bad_labels_raise():
     labels = BATCH[1].at[0].set(-1)
     bad = (BATCH[0], labels)
     opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, **ADAPTIVE)
-    with pytest.raises(ValueError, match=r"1 labels outside \[0, classes\)"):
+    with pytest.raises(ValueError, match=r"loss #0 .* 1 labels outside \[0, classes\)"):
         opt.init(PROBLEM.params, jax.random.key(0), bad)
+
+    # The message counts every registered loss: a squared error first, the labels' loss second.
+    def two_losses(model, batch):
+        logits = jax.vmap(model)(batch[0])
+        eqx_kfac.register_squared_error_loss(2 * logits, jnp.zeros_like(logits))
+        eqx_kfac.register_softmax_cross_entropy_loss(logits, batch[1])
+        return jnp.mean(logits)
+
+    with pytest.raises(ValueError, match=r"loss #1 .* 1 labels outside"):
+        eqx_kfac.kfac_preconditioner(two_losses, (PROBLEM.params, bad), damping=1e-3)
     # In a step (the labels are not known when it is traced), an empirical-Fisher update with
     # the label is not finite and dropped; the label never wraps to the last class.
     losses = [eqx_kfac.CategoricalLogitsNegativeLogProbLoss(BATCH[0], labels).evaluate()]

@@ -46,9 +46,9 @@ def _what_to_check(func, func_args, params_index) -> tuple[bool, tuple[bool, ...
 @eqx.filter_jit(compiler_options=dict(ONE_OFF_COMPILER_OPTIONS))
 def _loss_facts(func, loss_of, func_args, params_index, evaluable, categorical):
     """The returned loss and the registered losses' sum (both `None` unless `evaluable`), and
-    each categorical loss's count of labels out of range."""
+    each registered loss's count of labels out of range (0 for a loss that is not categorical)."""
     losses = registered_losses(func, func_args, params_index)
-    labels = [loss.targets_out_of_range() for loss, c in zip(losses, categorical) if c]
+    labels = [loss.targets_out_of_range() if c else 0 for loss, c in zip(losses, categorical)]
     if not evaluable:
         return None, None, labels
     total = sum(jnp.sum(loss.evaluate()) for loss in losses)
