@@ -88,6 +88,15 @@ def test_zero_previous_update_gives_zero_momentum():
     np.testing.assert_allclose(w0, -(v[0] @ g) / a, rtol=1e-10)
 
 
+def test_infinite_curvature_gives_no_finite_step():
+    # An overflowing curvature must not turn into a finite (zero) step: the step is then skipped
+    # by the guard, as for any non-finite update.
+    zeros = jnp.zeros((2, 2))
+    model = QuadraticModel(jnp.array([[jnp.inf, 0.0], [0.0, 0.0]]), zeros, zeros, jnp.array([-1.0, 0.0]))
+    coefficients = solve_quadratic_model(model, 0.0, 0.0, (None, None)).coefficients
+    assert not np.all(np.isfinite([float(c) for c in coefficients]))
+
+
 def test_single_vector_model_with_fixed_coefficient():
     model = QuadraticModel(jnp.array([[2.0]]), jnp.array([[3.0]]), jnp.array([[3.0]]),
                            jnp.array([-1.0]))

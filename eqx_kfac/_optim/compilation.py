@@ -166,7 +166,7 @@ def compiling_step_meanwhile(optimizer: AbstractOptimizer, args: tuple[Any, ...]
     so the step called later with arguments of the same structure, shapes and dtypes (their
     values may differ) does not compile it again. XLA compiles without Python's lock, so the two
     compilations overlap: the ViT of `benchmarks/examples.py` compiled its burn-in update in 11.2 s
-    and its step in 14.8 s, and its first step took 28.7 s instead of 32.8 s on 2 CPU cores.
+    and its step in 14.8 s, and its first step took 28.7 s instead of 32.3 s on 2 CPU cores.
 
     **Arguments:**
 

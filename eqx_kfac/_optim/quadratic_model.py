@@ -144,17 +144,19 @@ def _one_free(a: Array, b: Array, index: int, other_value: Array | None, box: Co
 def _solve_pair(a: Array, b: Array) -> Array:
     """`a⁻¹ b` for a 2x2 `a`, by Cramer's rule (forward stable in two dimensions): a few scalar
     operations, where `jnp.linalg.solve` compiles an LU factorisation's loop into a dozen
-    kernels. A singular or non-finite `a` gives non-finite entries."""
+    kernels. A singular `a` gives non-finite entries."""
     det = a[0, 0] * a[1, 1] - a[0, 1] * a[1, 0]
     return jnp.stack([a[1, 1] * b[0] - a[0, 1] * b[1], a[0, 0] * b[1] - a[1, 0] * b[0]]) / det
 
 
 def _unconstrained_pair(a: Array, b: Array) -> Array:
     """The stationary point of a two-vector model; with a zero second vector (a zero previous
-    update, as on the first step) its coefficient is zero and the first is solved alone."""
+    update, as on the first step) its coefficient is zero and the first is solved alone. A
+    non-finite `a` gives NaN (an infinite curvature would otherwise give a zero step)."""
     last_is_zero = jnp.all(a[-1] == 0) & jnp.all(a[:, -1] == 0)
     first_alone = jnp.stack([b[0] / a[0, 0], jnp.zeros_like(b[1])])
-    return -jnp.where(last_is_zero, first_alone, _solve_pair(a, b))
+    solution = jnp.where(last_is_zero, first_alone, _solve_pair(a, b))
+    return -jnp.where(jnp.all(jnp.isfinite(a)), solution, jnp.nan)
 
 
 def _minimise_pair(a: Array, b: Array, boxes: Sequence[CoefficientRange]) -> Array:

@@ -90,7 +90,8 @@ def registered_losses(func: Callable, func_args: Sequence[Any], params_index: in
     """
     traced = trace(func, func_args, params_index)
     params, others = traced.split_args(func_args)
-    return tuple(run_traced(traced, params, others, LossHook()).losses)
+    _, losses = _losses_and_inputs(traced, others)(params)
+    return tuple(losses)
 
 
 def loss_tags_vjp(func: Callable, params_index: int = 0) -> Callable:
