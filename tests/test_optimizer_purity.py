@@ -28,10 +28,11 @@ def _counting_loss(params, batch):
 
 def _optimizer(**kwargs):
     # Adaptive everything, with cached inverses and burn-in: every state field moves.
+    kwargs = dict(num_burnin_steps=2) | kwargs
     return Optimizer(eqx.filter_value_and_grad(_counting_loss), l2_reg=1e-3,
                      use_adaptive_learning_rate=True, use_adaptive_momentum=True,
                      use_adaptive_damping=True, initial_damping=1.0, damping_adaptation_interval=2,
-                     inverse_update_period=2, num_burnin_steps=2, **kwargs)
+                     inverse_update_period=2, **kwargs)
 
 
 OPT = _optimizer()
@@ -254,3 +255,28 @@ def test_first_step_compiles_its_program_once_during_the_burn_in():
     assert steps == ["eqx_kfac-compile"], compiles
     assert any("_jitted_burnin" in name for _, name in compiles), compiles
 
+
+
+@pytest.mark.parametrize("burnin", [2, 11])
+def test_a_short_burnin_compiles_its_update_for_compile_time(monkeypatch, burnin):
+    # The burn-in's update runs `num_burnin_steps` times: at most 10, LLVM does not optimise its
+    # kernels (on top of the step's own options); the step keeps its options either way.
+    from eqx_kfac._optim import compilation
+
+    optimizer = _optimizer(num_burnin_steps=burnin, compiler_options={"xla_cpu_enable_fast_math": False})
+    used = []
+    original = compilation._jit
+
+    def recording(fn, donate, options):
+        used.append((fn.__name__, dict(options)))
+        return original(fn, donate, options)
+
+    monkeypatch.setattr(compilation, "_jit", recording)
+    state = optimizer.init(PROBLEM.params, jax.random.key(0), BATCH)
+    optimizer.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH)
+    step = {"xla_cpu_enable_fast_math": False}
+    short = {**step, "xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0}
+    assert {name for name, _ in used} == {"_jitted_step", "_jitted_burnin"}, used
+    assert all(options == step for name, options in used if name == "_jitted_step"), used
+    burnin_options = short if burnin <= 10 else step
+    assert all(options == burnin_options for name, options in used if name == "_jitted_burnin"), used

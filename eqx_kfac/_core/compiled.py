@@ -37,9 +37,17 @@ same keyword).
 """
 
 
-ONE_OFF_COMPILER_OPTIONS = types.MappingProxyType(
-    {**COMPILER_OPTIONS, "xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0}
-)
+_FOR_COMPILE_TIME = {"xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0}
+
+
+def for_compile_time(options: Any) -> tuple[tuple[str, Any], ...]:
+    """`options` (a mapping or `(name, value)` pairs) with LLVM's optimisation of the kernels and
+    a GPU's GEMM autotuning off, as sorted pairs: the options of a program run so few times that
+    its compilation is most of its cost."""
+    return tuple(sorted({**dict(options), **_FOR_COMPILE_TIME}.items()))
+
+
+ONE_OFF_COMPILER_OPTIONS = types.MappingProxyType(dict(for_compile_time(COMPILER_OPTIONS)))
 """The XLA options of a program the library runs once (the loss checks' one evaluation of the
 loss, `_curvature/estimators/loss_checks.py`): its compilation is the whole cost, so LLVM does
 not optimise its kernels and a GPU's GEMMs are not autotuned. On the 2-core CPU, the ViT of

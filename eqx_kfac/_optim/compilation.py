@@ -17,7 +17,8 @@ CNN example's K-FAC compile 24.3 s with them, 4.8 s without, through `XLA_FLAGS`
 docs/examples.md).
 
 Before a first step with a burn-in, `compiling_step_meanwhile` compiles the step in a thread of
-its own while the burn-in's update compiles and runs.
+its own while the burn-in's update compiles and runs; a short burn-in's update compiles
+`for_compile_time` (`burnin_options`).
 """
 
 import functools
@@ -29,6 +30,7 @@ import equinox as eqx
 import numpy as np
 
 from .._core import distributed as _distributed
+from .._core.compiled import for_compile_time
 from .._core.tree import any_traced
 from .abstract_optimizer import AbstractOptimizer
 from .optimizer_state import OptimizerState
@@ -42,18 +44,16 @@ def _jit(fn: Callable[..., Any], donate: str, options: tuple[tuple[str, Any], ..
     return eqx.filter_jit(fn, donate=donate, compiler_options=dict(options) or None)
 
 
-def _program(optimizer: AbstractOptimizer, fn: Callable[..., Any], donate: str, *args: Any) -> Callable[..., Any]:
-    """`fn` jitted with the optimizer's compiler options, or without them inside a user's trace
-    (of `args`): JAX takes compiler options on an outermost `jit` only, and there the user's
-    apply."""
+def _program(
+    optimizer: AbstractOptimizer, fn: Callable[..., Any], donate: str, *args: Any,
+    options: tuple[tuple[str, Any], ...] | None = None,
+) -> Callable[..., Any]:
+    """`fn` jitted with `options` (`None`: the optimizer's compiler options), or without them
+    inside a user's trace (of `args`): JAX takes compiler options on an outermost `jit` only, and
+    there the user's apply."""
     # (The optimizer holds no tracer; leaving it out spares a walk through all its parts.)
     traced = any_traced([a for a in args if a is not optimizer])
-    return _jit(fn, donate, () if traced else optimizer.compiler_options)
-
-
-def _compiled(optimizer: AbstractOptimizer, fn: Callable[..., Any], donate: str, *args: Any) -> Any:
-    """`fn(*args)`, compiled by `_program`."""
-    return _program(optimizer, fn, donate, *args)(*args)
+    return _jit(fn, donate, () if traced else (optimizer.compiler_options if options is None else options))
 
 
 # --- multi-device: the `shard_map` step, the sharded (SPMD) step and its initial state ---------
@@ -203,11 +203,28 @@ def _jitted_burnin(optimizer, params, state, rng, batch, func_state, index):
     return _maybe_sharded(optimizer, burnin_update, params, state, rng, batch, func_state, index)
 
 
+# A burn-in of at most this many updates compiles its update `for_compile_time`. Its kernels then
+# run slower (LLVM does not optimise them), but it runs so few times that its compilation is most
+# of its cost. On 2 CPU cores (`benchmarks/examples.py`'s models) the update compiled 1.7 s faster
+# on the ViT and 0.8 s on the MNIST CNN, and each run took 134 ms and 23 ms longer: 13 and 35
+# runs to break even. The first step with the default 10 took 26.0-26.2 s instead of
+# 27.3-28.6 s on the ViT, 6.0-6.3 s instead of 7.2-7.3 s on the MNIST CNN.
+_SHORT_BURNIN = 10
+
+
+def burnin_options(optimizer: AbstractOptimizer) -> tuple[tuple[str, Any], ...]:
+    """The compiler options of the burn-in's update: the step's, `for_compile_time` when the
+    burn-in has at most `_SHORT_BURNIN` updates."""
+    if optimizer.refresh.num_burnin_steps <= _SHORT_BURNIN:
+        return for_compile_time(optimizer.compiler_options)
+    return optimizer.compiler_options
+
+
 def jitted_burnin(
     optimizer: AbstractOptimizer, params: Any, state: OptimizerState, rng: Any, batch: Any,
     func_state: Any, index: int,
 ) -> OptimizerState:
     """The burn-in's curvature update number `index` (`optimizer_step.burnin_update`), compiled
-    once for every index, never donating."""
-    index = np.asarray(index, np.int32)  # an array: traced, not a static argument
-    return _compiled(optimizer, _jitted_burnin, "none", optimizer, params, state, rng, batch, func_state, index)
+    once for every index with `burnin_options`, never donating."""
+    args = (optimizer, params, state, rng, batch, func_state, np.asarray(index, np.int32))
+    return _program(optimizer, _jitted_burnin, "none", *args, options=burnin_options(optimizer))(*args)
