@@ -22,7 +22,10 @@ time and ratios to Adam. The first-call table gives the seconds of each method's
 (tracing, compilation and one step, as a user waits; `Optimizer.step` for ours, the jitted optax
 step for Adam), taken once per process in the order of the table, after `init` (untimed); for
 kfac-jax, the median over its runs (see `tests/reference/kfac_jax_step_time.py` for what its
-first call includes). Peak memory is XLA's buffer assignment for one compiled step (arguments,
+first call includes). A second table gives the first `2 * --steps-per-round` steps (10 by
+default) from the first call: every program a run compiles by then is in it (kfac-jax's
+adaptive setting compiles a second variant of its step at its first damping adaptation, the
+fifth step; ours compiles one). Peak memory is XLA's buffer assignment for one compiled step (arguments,
 outputs and temporaries: parameters, optimizer state, batch, intermediates), for kfac-jax's
 step too when it runs. The breakdown times every piece of the step alone (each jitted):
 the gradient, the curvature statistics, the preconditioning with cached inverses, the quadratic
@@ -252,7 +255,9 @@ def step_memory(lower):
 
 
 # The columns of the peer script's table after the method's name.
-PEER_COLUMNS = ("ms", "ms_x_adam", "mib", "mib_x_adam", "faults", "first_s", "first_x_adam")
+PEER_COLUMNS = (
+    "ms", "ms_x_adam", "mib", "mib_x_adam", "faults", "first_s", "first_x_adam", "steps_s", "steps_x_adam"
+)
 
 
 def parse_peer_table(out):
@@ -343,6 +348,7 @@ def _peer_summary(peer_runs):
         m: {
             "time": statistics.median(r["ms"] for r in rows) / 1e3,
             "first": statistics.median(r["first_s"] for r in rows),
+            "steps": statistics.median(r["steps_s"] for r in rows),
             "faults": statistics.mean(r["faults"] for r in rows),
             "mib": rows[-1]["mib"],
         }
@@ -351,15 +357,18 @@ def _peer_summary(peer_runs):
 
 
 def time_methods(args, rounds, runners):
-    """`(first, ours, faults, peer)`: each method's first call, its seconds per step in every
-    alternated round, its page faults per step, and kfac-jax's summary (with `--peer-venv`)."""
-    first = {}
+    """`(first, ours, faults, peer)`: each method's first call and first `2 * steps_per_round`
+    steps (`{"first": ..., "steps": ...}`, seconds from the first call), its seconds per step in
+    every alternated round, its page faults per step, and kfac-jax's summary (with `--peer-venv`)."""
+    first = {"first": {}, "steps": {}}
     for m, run in runners.items():
         start = time.perf_counter()
         run(1)
-        first[m] = time.perf_counter() - start
-    for run in runners.values():
+        first["first"][m] = time.perf_counter() - start
+    for m, run in runners.items():
+        start = time.perf_counter()
         run(2 * args.steps_per_round - 1)
+        first["steps"][m] = first["first"][m] + time.perf_counter() - start
     blocks = args.peer_repeats if args.peer_venv else 1
     ours = {m: [] for m in METHODS}
     faults = dict.fromkeys(METHODS, 0)
@@ -412,20 +421,25 @@ def print_step_table(med, faults, peer, memory, floors, adam_flops):
         print(line)
 
 
-def print_first_calls(first, peer):
-    """The first-call table: seconds, ratio to Adam, and kfac-jax's."""
-    print("\nFirst call of the step (seconds: tracing, compilation and one step):")
-    header = f"{'method':<15}{'first s':>9}{'x Adam':>8}"
-    if peer:
-        header += f"{'kfac-jax s':>12}{'x Adam':>8}{'ours/kfac-jax':>14}"
-    print(header)
-    for m in METHODS:
-        line = f"{m:<15}{first[m]:>9.2f}{first[m] / first['adam']:>8.2f}"
-        if m in peer:
-            peer_first = peer[m]["first"]
-            line += f"{peer_first:>12.2f}{peer_first / peer['adam']['first']:>8.2f}"
-            line += f"{first[m] / peer_first:>14.2f}"
-        print(line)
+def print_first_calls(first, peer, steps):
+    """The first-call tables: the first call's seconds and the first `steps` steps' (from the
+    first call), each with its ratio to Adam, and kfac-jax's."""
+    for key, title in (
+        ("first", "First call of the step (seconds: tracing, compilation and one step):"),
+        ("steps", f"The first {steps} steps (seconds from the first call, every compilation included):"),
+    ):
+        print("\n" + title)
+        header = f"{'method':<15}{'seconds':>9}{'x Adam':>8}"
+        if peer:
+            header += f"{'kfac-jax s':>12}{'x Adam':>8}{'ours/kfac-jax':>14}"
+        print(header)
+        ours = first[key]
+        for m in METHODS:
+            line = f"{m:<15}{ours[m]:>9.2f}{ours[m] / ours['adam']:>8.2f}"
+            if m in peer:
+                theirs = peer[m][key]
+                line += f"{theirs:>12.2f}{theirs / peer['adam'][key]:>8.2f}{ours[m] / theirs:>14.2f}"
+            print(line)
 
 
 def print_breakdown(pieces, med, plot):
@@ -483,7 +497,7 @@ def main():
           f"steps, alternated; malloc: "
           f"{'GLIBC_TUNABLES=' + HUGEPAGE_TUNABLE if args.hugepage_malloc else 'glibc defaults'}")
     print_step_table(med, faults, peer, memory, floors, adam_flops)
-    print_first_calls(first, peer)
+    print_first_calls(first, peer, 2 * args.steps_per_round)
     print("\nFLOP floor per step (GFLOP):")
     for m in kfac_methods:
         parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in floors[m].items())

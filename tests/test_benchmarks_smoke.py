@@ -206,18 +206,18 @@ def test_command_line_end_to_end(problems, tmp_path, monkeypatch, capsys):
 
 
 def test_step_time_reads_the_kfac_jax_table():
-    # The output of tests/reference/kfac_jax_step_time.py --quick.
-    out = """jax 0.8.2 on cpu; sizes (78, 100, 50, 25, 3, 25, 50, 100, 78); B=512; 2 rounds x 5 steps
-method            median ms/step    x Adam  step MiB  x Adam  faults/step  first s  x Adam
-adam                        5.63      1.00         2    1.00            2     5.50    1.00
-kfac_adaptive             117.63     20.88         3    1.62            3    29.33    5.33
-kfac_fixed                 97.66     17.33         3    1.34            0    23.55    4.28
+    # The output of tests/reference/kfac_jax_step_time.py --quick (kfac-jax's git HEAD, JAX 0.10.2).
+    out = """jax 0.10.2 on cpu; sizes (78, 100, 50, 25, 3, 25, 50, 100, 78); B=512; 2 rounds x 5 steps (alternated)
+method            median ms/step    x Adam  step MiB  x Adam  faults/step  first s  x Adam  steps s  x Adam
+adam                        1.78      1.00         2    1.00            0     0.79    1.00     0.80    1.00
+kfac_adaptive               7.77      4.37         3    1.65           18     4.73    6.01     9.27   11.52
+kfac_fixed                  5.48      3.08         3    1.42            3     3.56    4.53     3.60    4.48
 """
     rows = step_time.parse_peer_table(out)
     assert rows["kfac_adaptive"] == {
-        "ms": 117.63, "ms_x_adam": 20.88, "mib": 3.0, "mib_x_adam": 1.62, "faults": 3.0,
-        "first_s": 29.33, "first_x_adam": 5.33,
+        "ms": 7.77, "ms_x_adam": 4.37, "mib": 3.0, "mib_x_adam": 1.65, "faults": 18.0,
+        "first_s": 4.73, "first_x_adam": 6.01, "steps_s": 9.27, "steps_x_adam": 11.52,
     }
-    assert [rows[m]["first_s"] for m in step_time.PEER_METHODS] == [5.50, 29.33, 23.55]
+    assert [rows[m]["steps_s"] for m in step_time.PEER_METHODS] == [0.80, 9.27, 3.60]
     with pytest.raises(RuntimeError, match="Could not parse the kfac-jax table"):
         step_time.parse_peer_table(out.rsplit("kfac_fixed", 1)[0])

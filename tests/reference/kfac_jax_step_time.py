@@ -33,7 +33,9 @@ and one step, after `init` (untimed). The first calls come before any other step
 the table (a later method may find parts of JAX's tracing caches warm).
 kfac-jax's adaptive first call compiles its step without the damping update; the variant that
 updates the damping compiles at the fifth call (the first adaptation,
-`damping_adaptation_interval=5`), a second wait of the same order that `first s` leaves out. `--first-call` builds the adaptive
+`damping_adaptation_interval=5`), a second wait of the same order that `first s` leaves out;
+`steps s` counts it: the seconds of the first `2 * --steps-per-round` steps (10 by default) from
+the first call, every variant's compilation included. `--first-call` builds the adaptive
 setting only, times its first call and prints `first_call_s <seconds>` (for
 `benchmarks/compile_time.py`).
 """
@@ -205,8 +207,11 @@ def main():
         print(f"first_call_s {first['kfac_adaptive']:.2f}")
         return
     # Compile every variant (kfac-jax compiles separately the steps that adapt the damping).
-    for run in runners.values():
+    first_steps = {}
+    for name, run in runners.items():
+        start = time.perf_counter()
         run(2 * args.steps_per_round - 1)
+        first_steps[name] = first[name] + time.perf_counter() - start
 
     times = {name: [] for name in runners}
     faults = dict.fromkeys(runners, 0)
@@ -223,13 +228,14 @@ def main():
     adam_median = statistics.median(times["adam"])
     mib = {name: f() / 2**20 for name, f in memory.items()}
     print(f"{'method':<16}{'median ms/step':>16}{'x Adam':>10}{'step MiB':>10}{'x Adam':>8}"
-          f"{'faults/step':>13}{'first s':>9}{'x Adam':>8}")
+          f"{'faults/step':>13}{'first s':>9}{'x Adam':>8}{'steps s':>9}{'x Adam':>8}")
     for name, ts in times.items():
         median = statistics.median(ts)
         print(f"{name:<16}{1e3 * median:>16.2f}{median / adam_median:>10.2f}"
               f"{mib[name]:>10.0f}{mib[name] / mib['adam']:>8.2f}"
               f"{faults[name] / (rounds * args.steps_per_round):>13.0f}"
-              f"{first[name]:>9.2f}{first[name] / first['adam']:>8.2f}")
+              f"{first[name]:>9.2f}{first[name] / first['adam']:>8.2f}"
+              f"{first_steps[name]:>9.2f}{first_steps[name] / first_steps['adam']:>8.2f}")
 
 
 if __name__ == "__main__":
