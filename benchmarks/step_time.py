@@ -357,18 +357,19 @@ def _peer_summary(peer_runs):
 
 
 def time_methods(args, rounds, runners):
-    """`(first, ours, faults, peer)`: each method's first call and first `2 * steps_per_round`
-    steps (`{"first": ..., "steps": ...}`, seconds from the first call), its seconds per step in
-    every alternated round, its page faults per step, and kfac-jax's summary (with `--peer-venv`)."""
-    first = {"first": {}, "steps": {}}
+    """`(from_first_call, ours, faults, peer)`: the seconds from each method's first call to the
+    end of it and of its first `2 * steps_per_round` steps (`{"first": ..., "steps": ...}`), its
+    seconds per step in every alternated round, its page faults per step, and kfac-jax's summary
+    (with `--peer-venv`)."""
+    from_first_call = {"first": {}, "steps": {}}
     for m, run in runners.items():
         start = time.perf_counter()
         run(1)
-        first["first"][m] = time.perf_counter() - start
+        from_first_call["first"][m] = time.perf_counter() - start
     for m, run in runners.items():
         start = time.perf_counter()
         run(2 * args.steps_per_round - 1)
-        first["steps"][m] = first["first"][m] + time.perf_counter() - start
+        from_first_call["steps"][m] = from_first_call["first"][m] + time.perf_counter() - start
     blocks = args.peer_repeats if args.peer_venv else 1
     ours = {m: [] for m in METHODS}
     faults = dict.fromkeys(METHODS, 0)
@@ -389,7 +390,7 @@ def time_methods(args, rounds, runners):
             for m, row in peer_table.items():
                 peer_runs[m].append(row)
     faults = {m: f / (len(ours[m]) * args.steps_per_round) for m, f in faults.items()}
-    return first, ours, faults, _peer_summary(peer_runs) if args.peer_venv else {}
+    return from_first_call, ours, faults, _peer_summary(peer_runs) if args.peer_venv else {}
 
 
 def print_step_table(med, faults, peer, memory, floors, adam_flops):
@@ -421,7 +422,7 @@ def print_step_table(med, faults, peer, memory, floors, adam_flops):
         print(line)
 
 
-def print_first_calls(first, peer, steps):
+def print_first_calls(from_first_call, peer, steps):
     """The first-call tables: the first call's seconds and the first `steps` steps' (from the
     first call), each with its ratio to Adam, and kfac-jax's."""
     for key, title in (
@@ -433,7 +434,7 @@ def print_first_calls(first, peer, steps):
         if peer:
             header += f"{'kfac-jax s':>12}{'x Adam':>8}{'ours/kfac-jax':>14}"
         print(header)
-        ours = first[key]
+        ours = from_first_call[key]
         for m in METHODS:
             line = f"{m:<15}{ours[m]:>9.2f}{ours[m] / ours['adam']:>8.2f}"
             if m in peer:
@@ -485,7 +486,7 @@ def main():
     runners, lowerers = {}, {}
     for m in METHODS:
         runners[m], lowerers[m] = make_runner(m, model, x)
-    first, ours, faults, peer = time_methods(args, rounds, runners)
+    from_first_call, ours, faults, peer = time_methods(args, rounds, runners)
     med = {m: statistics.median(ts) for m, ts in ours.items()}
     kfac_methods = ("kfac_adaptive", "kfac_fixed")
     floors = {m: flop_floor(sizes, args.batch_size, m == "kfac_adaptive") for m in kfac_methods}
@@ -497,7 +498,7 @@ def main():
           f"steps, alternated; malloc: "
           f"{'GLIBC_TUNABLES=' + HUGEPAGE_TUNABLE if args.hugepage_malloc else 'glibc defaults'}")
     print_step_table(med, faults, peer, memory, floors, adam_flops)
-    print_first_calls(first, peer, 2 * args.steps_per_round)
+    print_first_calls(from_first_call, peer, 2 * args.steps_per_round)
     print("\nFLOP floor per step (GFLOP):")
     for m in kfac_methods:
         parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in floors[m].items())
