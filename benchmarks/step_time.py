@@ -13,7 +13,8 @@ the Equinox twin of `tests/reference/kfac_jax_step_time.py` (kfac-jax 0.0.8 + Ha
 
 Settings (both with `inverse_update_period=5`, `curvature_ema=0.95`, `l2_reg=1e-5`, no burn-in):
 - `kfac_adaptive`: adaptive learning rate, momentum and damping (initial 1.0, interval 5),
-  `estimation_mode="ggn_curvature_prop"`;
+  `estimation_mode="ggn_curvature_prop"`, no step rejection (kfac-jax's default; `Optimizer`
+  turns it on with adaptive damping, which costs one forward pass per step);
 - `kfac_fixed`: learning rate 1e-3, momentum 0.9, damping 1e-2.
 
 Methods run alternately (A B C A B C ...), `--steps-per-round` steps each (default 5: one inverse
@@ -98,9 +99,11 @@ def make_kfac(adaptive):
         donate_optimizer_state=True,
     )
     if adaptive:
+        # kfac-jax's default: no step rejection (ours turns it on with adaptive damping, one more
+        # forward pass per step), so that both libraries take the same step.
         return eqx_kfac.Optimizer(
             use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
-            initial_damping=1.0, damping_adaptation_interval=5, **common,
+            initial_damping=1.0, damping_adaptation_interval=5, use_step_rejection=False, **common,
         ), {}
     hyper = dict(
         learning_rate=jnp.asarray(1e-3, jnp.float32),

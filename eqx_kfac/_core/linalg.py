@@ -22,20 +22,11 @@ exports the optimizer's step for `cuda` and `tpu` and checks that no solver call
 Derivatives are written out (`custom_jvp`) so that both forms stay differentiable in both modes;
 the tangent computations use matrix products only.
 
-**LAPACK's own threads (CPU only).** jaxlib's CPU kernels call the LAPACK that SciPy loads
-(OpenBLAS in SciPy's wheels). Inside a compiled program they run on XLA's thread pool, which
-already keeps every core busy; a multi-threaded OpenBLAS then starts threads of its own for
-matrices from 32 rows on, which spin after each call and take cores from XLA (measured on 2 cores:
-inverting the 16 factors of a 784-1000-500-250-30 autoencoder by block elimination with 127-row
-leaves took 113 ms with one OpenBLAS thread and ~2.5 s with two, the machine being busy). The
-first time a factorisation is traced in a process whose default backend is the CPU, the BLAS
-library behind SciPy's LAPACK is therefore set to one thread (through `threadpoolctl`); set the
-environment variable `EQX_KFAC_LAPACK_THREADS` to another number of threads, or to `keep` to leave
-the library as it is. A process whose default backend is a GPU or TPU leaves it alone.
+**Process settings (CPU only).** The first time a factorisation is traced in a process whose
+default backend is the CPU, SciPy's BLAS is set to one thread and glibc's `malloc` to keep large
+blocks mapped (`_core/cpu_host.py`, which says why and how to turn each off).
 """
 
-import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,25 +35,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 from jaxtyping import Array, Float
 
-
-@functools.cache
-def limit_lapack_threads() -> None:
-    """Sets the BLAS library behind jaxlib's CPU LAPACK kernels (SciPy's) to
-    `EQX_KFAC_LAPACK_THREADS` threads (default 1; `keep` leaves it alone). Runs once, and only in a
-    process whose default backend is the CPU."""
-    setting = os.environ.get("EQX_KFAC_LAPACK_THREADS", "1")
-    if setting == "keep" or jax.default_backend() != "cpu":
-        return
-    import numpy
-    import scipy.linalg  # noqa: F401  (loads the library)
-    import threadpoolctl
-
-    controller = threadpoolctl.ThreadpoolController().select(user_api="blas")
-    numpy_libs = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
-    # NumPy's own BLAS (a separate library in the wheels) is not the one LAPACK calls go to.
-    scipy_blas = [c for c in controller.lib_controllers if not c.filepath.startswith(numpy_libs)]
-    for library in scipy_blas or controller.lib_controllers:
-        library.set_num_threads(int(setting))
+from .cpu_host import prepare_cpu_host
 
 
 def per_platform(cpu: Callable[..., Any], default: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,7 +76,7 @@ def map_slices(fn: Callable[..., Any], *args: Any) -> Any:
 
     The stacked outputs of `fn`.
     """
-    limit_lapack_threads()
+    prepare_cpu_host()
     return per_platform(lambda *a: jax.lax.map(lambda x: fn(*x), a), jax.vmap(fn))(*args)
 
 
@@ -116,7 +89,7 @@ def _one_matrix_at_a_time(fn: Callable[[Array], tuple[Array, ...]]) -> Callable[
     sequential = jax.custom_batching.sequential_vmap(fn)
 
     def apply(matrix: Array) -> tuple[Array, ...]:
-        limit_lapack_threads()
+        prepare_cpu_host()
         if matrix.ndim == 2:
             return sequential(matrix)
         batch, n = matrix.shape[:-2], matrix.shape[-1]

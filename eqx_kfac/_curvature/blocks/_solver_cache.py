@@ -26,7 +26,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
 from ..._core.control_flow import select_changed
-from ..._core.linalg import limit_lapack_threads
+from ..._core.cpu_host import prepare_cpu_host
 from ..operators.structured import KroneckerOperator
 from ..._core.tree import all_finite
 from .base import CurvatureBlock
@@ -92,7 +92,7 @@ def solver_takes_inverse(
 def _full_state(
     solver: lx.AbstractLinearSolver, factors: Sequence[Array], identity_weight: ArrayLike
 ) -> PyTree[Any]:
-    limit_lapack_threads()  # the solver may factorise through LAPACK (see `eqx_kfac._core.linalg`)
+    prepare_cpu_host()  # the solver may factorise through LAPACK (see `eqx_kfac._core.cpu_host`)
     return solver.init(damped_kronecker_operator(factors, identity_weight), {})
 
 

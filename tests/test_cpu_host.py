@@ -1,0 +1,58 @@
+"""glibc's `malloc` keeps a K-FAC step's large scratch buffer mapped (`eqx_kfac._core.cpu_host`).
+
+XLA:CPU allocates each step's temporaries as one block of tens of MiB; glibc maps such a block
+afresh at every allocation, so every step faulted it in again. The reference is the kernel's
+count of minor page faults around allocating, touching and freeing a 64 MiB block a second time:
+16,384 pages when each allocation maps the block afresh, next to none when the freed block is
+reused. Each case runs in a fresh process, since the setting is made once per process, the first
+time a factorisation is traced.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, resource
+    import jax, jax.numpy as jnp
+    from eqx_kfac._core.linalg import spd_inverse
+
+    jax.make_jaxpr(spd_inverse)(jnp.eye(3))  # the first factorisation traced
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = (ctypes.c_void_p,)
+
+    def faults():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = libc.malloc(64 << 20)  # as XLA allocates (NumPy asks for huge pages)
+        ctypes.memset(block, 1, 64 << 20)
+        libc.free(block)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    faults()
+    print(faults())
+    """
+)
+
+
+@pytest.mark.parametrize("setting", ["default", "keep"])
+def test_tracing_a_factorisation_keeps_large_blocks_mapped_unless_told_to_keep_malloc(setting):
+    env = {k: v for k, v in os.environ.items() if k != "EQX_KFAC_MALLOC"}
+    if setting == "keep":
+        env["EQX_KFAC_MALLOC"] = "keep"
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=120,
+        check=True,
+    )
+    faults = int(out.stdout.split()[-1])
+    pages = (64 << 20) // 4096
+    if setting == "default":
+        assert faults < pages // 10, faults
+    else:
+        assert faults > pages // 2, faults
