@@ -10,6 +10,7 @@ the Equinox twin of `tests/reference/kfac_jax_step_time.py` (kfac-jax 0.0.8 + Ha
     python benchmarks/step_time.py --peer-venv /work/peervenv --plot breakdown.png
     python benchmarks/step_time.py --quick             # widths / 10, a smoke run
     python benchmarks/step_time.py --hugepage-malloc   # glibc's malloc on huge pages (see below)
+    python benchmarks/step_time.py --sync-dispatch     # JAX's asynchronous dispatch off (see below)
 
 Settings (both with `inverse_update_period=5`, `curvature_ema=0.95`, `l2_reg=1e-5`, no burn-in):
 - `kfac_adaptive`: adaptive learning rate, momentum and damping (initial 1.0, interval 5),
@@ -35,7 +36,10 @@ compute (2 flops per multiply-add) from the layer shapes; the achieved fraction 
 `(floor FLOPs / our time) / (Adam FLOPs / Adam time)`; `--breakdown-repeats 0` skips the
 breakdown. `faults/step` counts the process's minor page faults per step: XLA's per-step scratch
 buffer is faulted in anew at every step under glibc's defaults, which `--hugepage-malloc` avoids
-(`use_hugepage_malloc`).
+(`use_hugepage_malloc`). The library keeps glibc's large blocks mapped itself (`mallopt`), but
+only a program that runs on the calling thread allocates from the heap that keeps them, and JAX
+runs a CPU program on a worker thread unless its dispatch is synchronous: `--sync-dispatch` turns
+`jax_cpu_enable_async_dispatch` off here and in the kfac-jax process.
 """
 
 import argparse
@@ -277,12 +281,12 @@ def parse_peer_table(out):
     return rows
 
 
-def run_peer(venv, quick, rounds, steps, batch_size):
+def run_peer(venv, quick, rounds, steps, batch_size, sync_dispatch=False):
     """Runs the peer script in `venv` (a fresh process) and parses its table (`parse_peer_table`)."""
     cmd = [os.path.join(venv, "bin", "python"), PEER_SCRIPT, "--rounds", str(rounds),
            "--steps-per-round", str(steps), "--batch-size", str(batch_size)]
-    if quick:
-        cmd.append("--quick")
+    cmd += ["--quick"] if quick else []
+    cmd += ["--sync-dispatch"] if sync_dispatch else []
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return parse_peer_table(out)
 
@@ -336,6 +340,11 @@ def parse_args():
         help=f"rerun under GLIBC_TUNABLES={HUGEPAGE_TUNABLE} (kfac-jax too): transparent huge "
              "pages for malloc's large blocks, such as XLA's per-step scratch buffer",
     )
+    parser.add_argument(
+        "--sync-dispatch", action="store_true",
+        help="run every program on the calling thread (jax_cpu_enable_async_dispatch off; "
+             "kfac-jax too), where glibc's heap holds its scratch buffer",
+    )
     args = parser.parse_args()
     if args.breakdown_repeats < 0:
         parser.error("--breakdown-repeats must be at least 0")
@@ -388,7 +397,7 @@ def time_methods(args, rounds, runners):
         if args.peer_venv:
             peer_table = run_peer(
                 args.peer_venv, args.quick, max(2, rounds // blocks), args.steps_per_round,
-                args.batch_size,
+                args.batch_size, args.sync_dispatch,
             )
             for m, row in peer_table.items():
                 peer_runs[m].append(row)
@@ -479,6 +488,8 @@ def main():
     args = parse_args()
     if args.hugepage_malloc:
         use_hugepage_malloc()
+    if args.sync_dispatch:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     sizes = AUTOENCODER
     rounds = args.rounds
     if args.quick:
@@ -499,7 +510,8 @@ def main():
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores); sizes "
           f"{sizes}; B={args.batch_size}; {len(ours['adam'])} rounds x {args.steps_per_round} "
           f"steps, alternated; malloc: "
-          f"{'GLIBC_TUNABLES=' + HUGEPAGE_TUNABLE if args.hugepage_malloc else 'glibc defaults'}")
+          f"{'GLIBC_TUNABLES=' + HUGEPAGE_TUNABLE if args.hugepage_malloc else 'glibc defaults'}; "
+          f"dispatch: {'synchronous' if args.sync_dispatch else 'asynchronous'}")
     print_step_table(med, faults, peer, memory, floors, adam_flops)
     print_first_calls(from_first_call, peer, 2 * args.steps_per_round)
     print("\nFLOP floor per step (GFLOP):")

@@ -151,7 +151,11 @@ def main():
     parser.add_argument("--quick", action="store_true", help="widths / 10, 2 rounds")
     parser.add_argument("--first-call", action="store_true",
                         help="only time the first call of the adaptive K-FAC step")
+    parser.add_argument("--sync-dispatch", action="store_true",
+                        help="run every program on the calling thread (jax_cpu_enable_async_dispatch off)")
     args = parser.parse_args()
+    if args.sync_dispatch:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     sizes = AUTOENCODER
     rounds = args.rounds
     if args.quick:
