@@ -16,7 +16,7 @@ environment variable `EQX_KFAC_LAPACK_THREADS` to another number of threads, or 
 leave the library as it is.
 
 **glibc's large blocks.** XLA:CPU allocates one scratch buffer per step for all the step's
-temporaries (60-80 MiB for that autoencoder's K-FAC step). glibc's `malloc` serves every block
+temporaries (70-90 MiB for that autoencoder's K-FAC step). glibc's `malloc` serves every block
 above 32 MiB with a fresh `mmap` and unmaps it when it is freed, so every step faulted its
 scratch buffer in again, 4 KiB at a time: about 20,000 page faults per adaptive step. With glibc
 (Linux), the library therefore asks `malloc` (`mallopt`) to serve large blocks from its heap
@@ -25,9 +25,12 @@ instead of returning it to the system (`M_TRIM_THRESHOLD`), so the next step reu
 already mapped, as the `MALLOC_MMAP_MAX_=0` environment variable would. The autoencoder's adaptive
 step inside the caller's `jit`: 182-192 -> 166-169 ms, 20,000 -> 0 page faults per step
 (`tests/test_cpu_host.py` checks the faults; `docs/optimizer.md`, "Speed on CPU", has the
-measurements). The process keeps memory it has freed, up to `_KEPT_BYTES` beyond what it uses. A
-block over 64 MiB that XLA allocates on one of its worker threads is mapped afresh anyway (glibc's
-per-thread heaps are at most 64 MiB). Set `EQX_KFAC_MALLOC=keep` to leave `malloc` as it is.
+measurements). The process keeps memory it has freed for reuse: glibc returns the top of its
+heap to the system only once more than `_KEPT_BYTES` is free there, and a freed block below the
+top not at all. A block over 64 MiB that XLA allocates on one of its worker threads is mapped
+afresh anyway (glibc's per-thread heaps are at most 64 MiB); JAX runs a CPU program on a worker
+thread unless its dispatch is synchronous (`jax_cpu_enable_async_dispatch`), the program is tiny,
+or it holds a host callback. Set `EQX_KFAC_MALLOC=keep` to leave `malloc` as it is.
 """
 
 import ctypes
