@@ -41,18 +41,28 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+def _run(setting: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "EQX_KFAC_MALLOC"}
+    if setting is not None:
+        env["EQX_KFAC_MALLOC"] = setting
+    return subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
 @pytest.mark.parametrize("setting", ["default", "keep"])
 def test_tracing_a_factorisation_keeps_large_blocks_mapped_unless_told_to_keep_malloc(setting):
-    env = {k: v for k, v in os.environ.items() if k != "EQX_KFAC_MALLOC"}
-    if setting == "keep":
-        env["EQX_KFAC_MALLOC"] = "keep"
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=120,
-        check=True,
-    )
+    out = _run("keep" if setting == "keep" else None)
+    assert out.returncode == 0, out.stderr
     faults = int(out.stdout.split()[-1])
     pages = (64 << 20) // 4096
     if setting == "default":
         assert faults < pages // 10, faults
     else:
         assert faults > pages // 2, faults
+
+
+def test_an_unknown_malloc_setting_is_refused_when_the_first_factorisation_is_traced():
+    out = _run("off")
+    assert out.returncode != 0
+    assert "EQX_KFAC_MALLOC='off'" in out.stderr and "'keep'" in out.stderr

@@ -80,8 +80,18 @@ def keep_large_blocks() -> bool:
     **Returns:**
 
     Whether `malloc` was set (`False` without glibc, or with `keep`).
+
+    **Raises:**
+
+    `ValueError` when `EQX_KFAC_MALLOC` is set to anything but `keep`.
     """
-    if os.environ.get("EQX_KFAC_MALLOC") == "keep" or platform.libc_ver()[0] != "glibc":
+    setting = os.environ.get("EQX_KFAC_MALLOC", "")
+    if setting not in ("", "keep"):
+        raise ValueError(
+            f"EQX_KFAC_MALLOC={setting!r}: set it to 'keep' to leave glibc's malloc as it is, or "
+            "unset it to let eqx_kfac keep large blocks mapped (see eqx_kfac/_core/cpu_host.py)."
+        )
+    if setting == "keep" or platform.libc_ver()[0] != "glibc":
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
