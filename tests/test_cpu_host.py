@@ -19,6 +19,7 @@ import pytest
 _SCRIPT = textwrap.dedent(
     """
     import ctypes, resource
+    ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, whatever the system's setting
     import jax, jax.numpy as jnp
     from eqx_kfac._core.linalg import spd_inverse
 
