@@ -63,9 +63,10 @@ def _fixture_kwargs(setting):
         damping_adaptation_decay=float(ctor["damping_adaptation_decay"]),
         damping_lower_threshold=float(ctor["damping_lower_threshold"]),
         damping_upper_threshold=float(ctor["damping_upper_threshold"]),
-        # kfac-jax has no bounds or trust region on the adaptive coefficients, rejects no step
-        # and folds in every finite batch.
+        # kfac-jax has no bounds or trust region on the adaptive coefficients, rejects no step,
+        # folds in every finite batch and lets the damping fall to 1e-8.
         use_step_rejection=False,
+        min_damping=1e-8,
         adaptive_learning_rate_bounds=None,
         adaptive_momentum_bounds=None,
         max_predicted_decrease=None,

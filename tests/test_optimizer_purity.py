@@ -206,8 +206,13 @@ def test_donating_step_equals_plain_step_and_consumes_its_arguments():
     for i in range(3):
         expected = plain.step(*expected, jax.random.key(i), batch=BATCH)[:2]
         donated_leaf = jax.tree.leaves(params)[0]
+        state_leaf = state.estimator_state
+        state_leaf = jax.tree.leaves(state_leaf)[0]
         params, state, _ = donating.step(params, state, jax.random.key(i), batch=BATCH)
         assert donated_leaf.is_deleted()
+        # The first step (with its burn-in) keeps the state it was given, as documented: the
+        # step returns it if it is skipped. Later steps consume it.
+        assert state_leaf.is_deleted() == (i > 0)
     _assert_trees_equal((params, state), expected)
 
 

@@ -348,7 +348,12 @@ def test_the_count_of_examples_cannot_wrap():
     for _ in range(3):
         count = count.add(2**30 - 1)
     assert int(count.high) * 2**30 + int(count.low) == 3 * (2**30 - 1)
+    assert count.as_int() == 3 * (2**30 - 1)
     assert float(count.value) == 3.0 * (2**30 - 1)
+    # Past 2³¹ the exact reading stays exact where a float32 one rounds (docs/optimizer.md).
+    past = eqx_kfac.ExampleCount.zero().add(2**30).add(2**30).add(54)
+    assert past.as_int() == 2**31 + 54
+    assert np.float32(past.as_int()) == np.float32(2147483648.0)
     opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0,
                              learning_rate_schedule=lambda step, data_seen: 0.1 / (1 + data_seen / 2**31),
                              momentum_schedule=lambda step: 0.0, damping_schedule=lambda step: 0.1)

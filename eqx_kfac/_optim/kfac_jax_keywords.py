@@ -25,7 +25,7 @@ from .step_rule import AbstractStepRule, MomentumStep
 # The keywords each part replaces when it is given directly, with their defaults.
 KEYWORDS: Mapping[str, Mapping[str, Any]] = {
     "damping_rule": dict(
-        use_adaptive_damping=False, damping_schedule=None, initial_damping=None, min_damping=1e-8,
+        use_adaptive_damping=False, damping_schedule=None, initial_damping=None, min_damping=1e-6,
         max_damping=math.inf, damping_adaptation_interval=5, damping_adaptation_decay=0.9,
         damping_lower_threshold=0.25, damping_upper_threshold=0.75,
         always_use_exact_qmodel_for_damping_adjustment=False, reject_damping_increase_factor=2.0,

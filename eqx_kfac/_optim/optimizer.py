@@ -116,7 +116,7 @@ class Optimizer(AbstractOptimizer):
         use_adaptive_damping: bool = False,
         damping_schedule: Schedule | None = None,
         initial_damping: float | None = None,
-        min_damping: float = 1e-8,
+        min_damping: float = 1e-6,
         max_damping: float = math.inf,
         include_damping_in_quad_change: bool = False,
         damping_adaptation_interval: int = 5,
@@ -188,7 +188,8 @@ class Optimizer(AbstractOptimizer):
           `max_predicted_decrease` times the loss's magnitude, `None` for no limit),
           `learning_rate_schedule` / `momentum_schedule`, or passed to `step`.
         - Damping: `use_adaptive_damping` (Levenberg-Marquardt from `initial_damping`, default
-          `1e-2`, with `min_damping`, `max_damping`, `damping_adaptation_interval`,
+          `1e-2`, with `min_damping` (default `1e-6`, kfac-jax's `1e-8`: see docs/optimizer.md,
+          "Minimum damping"), `max_damping`, `damping_adaptation_interval`,
           `damping_adaptation_decay`, `damping_lower_threshold`, `damping_upper_threshold`,
           `include_damping_in_quad_change`, `always_use_exact_qmodel_for_damping_adjustment`,
           `reject_damping_increase_factor` after a step that is not applied, and

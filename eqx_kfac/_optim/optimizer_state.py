@@ -36,6 +36,15 @@ class ExampleCount(eqx.Module):
         low = self.low + jnp.asarray(count, jnp.int32)
         return ExampleCount(self.high + low // _LOW_WORD, low % _LOW_WORD)
 
+    def as_int(self) -> int:
+        """The exact count as a Python integer (reads the two words from the device).
+
+        **Returns:**
+
+        `high · 2³⁰ + low`.
+        """
+        return int(self.high) * _LOW_WORD + int(self.low)
+
     @property
     def value(self) -> Float[Array, ""]:
         """The count as a float of the default dtype (exact up to 2²⁴ in float32, 2⁵³ in float64)."""
