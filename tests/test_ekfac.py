@@ -14,6 +14,7 @@ from block_helpers import dense_matpower, dense_spec, flat, generic_spec, random
 from eqx_kfac import DenseFull, DenseTwoKroneckerFactored
 from eqx_kfac import Conv2DFull, Conv2DTwoKroneckerFactored
 from eqx_kfac import Conv2DEigenbasisKFAC, DenseEigenbasisKFAC
+import eqx_kfac
 from eqx_kfac import BlockDiagonalCurvature
 from test_conv_blocks import _layer as conv_layer
 
@@ -244,3 +245,42 @@ def test_rejects_layers_without_a_kronecker_eigenbasis(getkey):
     spec, _, _ = conv_layer(getkey, channels=4, out_channels=4, groups=2)
     with pytest.raises(ValueError, match="Conv2DEigenbasisKFAC uses the eigenbasis of a K-FAC block.*grouped"):
         Conv2DEigenbasisKFAC(spec)
+
+
+@pytest.mark.parametrize("path", ["kfac_preconditioner", "Optimizer"])
+def test_without_a_cache_the_basis_is_refreshed_at_every_step(path, getkey):
+    """With `inverse_update_period=1` EK-FAC's basis is recomputed from the statistics at every
+    step (it once stayed the identity: the refresh was skipped when nothing was cached), so its
+    direction is K-FAC's exactly damped one, `(A ⊗ G + λI)⁻¹ g`, checked against the dense
+    matrix of a K-FAC estimator on the same batch."""
+    problem = models.mlp_classification(getkey(), sizes=(3, 4, 3), batch=6)
+    damping, mode = 0.1, "fisher_exact"
+    ekfac = {"dense": DenseEigenbasisKFAC}
+    kfac = BlockDiagonalCurvature(problem.loss_fn, (problem.params, problem.batch),
+                                  default_estimation_mode=mode)
+    state = kfac.update_curvature_matrix_estimate(kfac.init(getkey()), 0.0, 1.0, 6, getkey(),
+                                                  (problem.params, problem.batch))
+    dense = np.asarray(kfac.to_dense_matrix(state))
+    grads = eqx.filter_grad(problem.loss_fn)(problem.params, problem.batch)
+    flat_grads, _ = models.flat_params(grads)
+    expected = np.linalg.solve(dense + damping * np.eye(len(dense)), np.asarray(flat_grads))
+    if path == "kfac_preconditioner":
+        transform = eqx_kfac.kfac_preconditioner(
+            problem.loss_fn, (problem.params, problem.batch), damping=damping, curvature_ema=0.0,
+            inverse_update_period=1, estimation_mode=mode, layer_tag_to_block_ctor=ekfac,
+        )
+        params = eqx.filter(problem.params, eqx.is_inexact_array)
+        direction, _ = transform.update(grads, transform.init(params), params,
+                                        batch=problem.batch, key=getkey())
+        got = models.flat_params(direction)[0]
+    else:
+        optimizer = eqx_kfac.Optimizer(
+            eqx.filter_value_and_grad(problem.loss_fn), l2_reg=0.0, num_burnin_steps=0,
+            curvature_ema=0.0, inverse_update_period=1, estimation_mode=mode,
+            layer_tag_to_block_ctor=ekfac,
+        )
+        opt_state = optimizer.init(problem.params, getkey(), problem.batch)
+        new_params, _, _ = optimizer.step(problem.params, opt_state, getkey(), batch=problem.batch,
+                                          learning_rate=1.0, momentum=0.0, damping=damping)
+        got = models.flat_params(problem.params)[0] - models.flat_params(new_params)[0]
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-8, atol=1e-12)

@@ -14,6 +14,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
@@ -39,6 +40,39 @@ _ESTIMATORS = LRUCache(maxsize=32)
 
 def _sorted_items(mapping: Mapping[Any, Any] | None) -> tuple[tuple[Any, Any], ...]:
     return tuple(sorted((mapping or {}).items(), key=lambda item: repr(item[0])))
+
+
+def _check_real(params: PyTree, who: str) -> None:
+    """Raises `ValueError` naming the complex parameters: K-FAC's statistics, factors and
+    damping are those of real parameters (complex factors would need conjugates throughout)."""
+    paths = [
+        f"{jax.tree_util.keystr(path).lstrip('.') or 'params'} ({x.dtype})"
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+        if jnp.issubdtype(getattr(x, "dtype", jnp.float32), jnp.complexfloating)
+    ]
+    if paths:
+        raise ValueError(
+            f"{who}: K-FAC trains real parameters, but these are complex: {', '.join(paths)}. "
+            "Split each complex parameter into its real and imaginary parts, a real array with a "
+            "trailing axis of 2 (`jnp.stack([w.real, w.imag], -1)`), and form "
+            "`w[..., 0] + 1j * w[..., 1]` inside the model."
+        )
+
+
+def _check_not_empty(batch_size: Any, extracted: bool) -> None:
+    """Raises `ValueError` for a batch of no examples (where its size is known)."""
+    try:
+        empty = int(batch_size) == 0
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return
+    if empty:
+        source = "batch_size_extractor's" if extracted else "the leading axis of the registered losses' inputs"
+        raise ValueError(
+            f"The example batch has no examples (its batch size, {source}, is 0): K-FAC averages "
+            "its curvature statistics over the examples. Pass a batch of at least one example "
+            "(e.g. the first training batch) to `Optimizer.init`, or in kfac_preconditioner's "
+            "`example_args`."
+        )
 
 
 class CurvatureOptions(eqx.Module):
@@ -140,13 +174,14 @@ class Preconditioner(eqx.Module):
 
         Built on first use (tracing `func` once and logging the registration table at INFO level
         on the `"eqx_kfac"` logger), and cached afterwards for every preconditioner with the same
-        function and curvature options.
+        function and curvature options. Complex parameters (the first argument's) raise
+        `ValueError`.
 
         **Arguments:**
 
         - `func`: the loss function; it registers its losses.
         - `func_args`: its arguments (arrays or `jax.ShapeDtypeStruct`s).
-        - `who`: the caller's name, for the log.
+        - `who`: the caller's name, for the log and the errors.
 
         **Returns:**
 
@@ -155,6 +190,7 @@ class Preconditioner(eqx.Module):
         abstract = abstract_arrays(tuple(func_args))
 
         def build() -> BlockDiagonalCurvature:
+            _check_real(abstract[0], who)
             estimator = self.curvature.build(func, abstract)
             logger.info(
                 "%s: curvature blocks (%d blocks, %d parameters):\n%s",
@@ -174,10 +210,12 @@ class Preconditioner(eqx.Module):
         func_args: Sequence[Any],
         estimator: BlockDiagonalCurvature,
     ) -> None:
-        """Checks the loss against its registrations on concrete arguments: a loss summed over
-        the batch, or class labels outside the range, raise `ValueError`; an explicit batch size
+        """Checks the loss against its registrations on concrete arguments: a batch of no
+        examples, a loss summed over the batch, or class labels outside the range, raise
+        `ValueError`; an explicit batch size
         that is not the registrations' warns (see `loss_checks`)."""
         batch_size = self.batch_size(estimator, func_args)
+        _check_not_empty(batch_size, self.curvature.batch_size_extractor is not None)
         if self.curvature.batch_size_extractor is not None:
             check_batch_size(estimator.func, func_args, batch_size)
         # The estimator's function is `func` with its layers tagged (tags return their inputs):
@@ -246,8 +284,10 @@ class Preconditioner(eqx.Module):
     ) -> EstimatorState:
         """The cache refresh on the schedule, damped by `identity_weight`, skipped where `gate`
         is false; with `distributed` (inside a multi-device step) each block's factorisation runs
-        on one device and is shared. A failed inverse keeps its previous value."""
-        exact, approx = self.direction.powers_to_cache()
+        on one device and is shared. A failed inverse keeps its previous value. Without a cache
+        (`inverse_update_period=1`) no power is refreshed, but blocks with a basis of their own
+        (EK-FAC) still recompute it."""
+        exact, approx = self.direction.powers_to_cache() if self.refresh.use_cached else (None, None)
 
         @jax.named_scope("eqx_kfac.inverse_refresh")
         def refresh(s: EstimatorState) -> EstimatorState:

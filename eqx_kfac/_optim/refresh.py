@@ -179,8 +179,10 @@ class RefreshSchedule(AbstractRefreshSchedule):
         finite: Bool[Array, ""] | None,
         refresh: Callable[[EstimatorState], EstimatorState],
     ) -> EstimatorState:
-        """The cache refresh on its period (none when nothing is cached), skipped on a step that
-        is not finite, computed in place of the cache (see `periodic`).
+        """The cache refresh on its period, skipped on a step that is not finite, computed in
+        place of the cache (see `periodic`). With `inverse_update_period=1` nothing is cached,
+        and `refresh` (which then caches no power) runs at every step: a block with a basis of
+        its own (EK-FAC's eigenbasis) recomputes it from the current statistics.
 
         **Arguments:**
 
@@ -193,6 +195,4 @@ class RefreshSchedule(AbstractRefreshSchedule):
 
         The estimator state.
         """
-        if not self.use_cached:
-            return estimator_state
         return periodic(self.inverse_update_period, step, refresh, estimator_state, gate=finite)
