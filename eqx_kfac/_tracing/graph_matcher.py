@@ -36,7 +36,7 @@ parameter itself (the value before them). Matching descends into `jit`, `jax.che
 `eqx.filter_checkpoint`, `custom_jvp` / `custom_vjp` functions and `scan` bodies.
 
 Parameters that no tag claims get a `generic` tag each, whose origin says why: `"unused"` (the
-registered losses do not depend on it), `"unmatched"` (no pattern matched its one use),
+registered losses do not depend on it, or only through `stop_gradient`: frozen), `"unmatched"` (no pattern matched its one use),
 `"unregistered"` (`register_only_generic=True`) or `"shared"`: a parameter used in more than one
 place that the losses depend on (weight tying, a value carried from step to step of a scan) is
 never matched to a layer, since a layer tag would only see one of its uses. The tag's `uses`
@@ -220,9 +220,10 @@ def _is_shared(leaf_uses: Sequence[str]) -> bool:
 
 def _fallback_origin(leaf_uses: Sequence[str], register_only_generic: bool) -> str:
     """Why a parameter that no tag claims gets a generic tag: the registered losses do not depend
-    on it (`"unused"`), matching is off (`"unregistered"`), it has several uses (`"shared"`), or
-    no pattern matched its one use (`"unmatched"`)."""
-    if not leaf_uses:
+    on it, or only through `stop_gradient` (`"unused"`: unused or frozen), matching is off
+    (`"unregistered"`), it has several uses (`"shared"`), or no pattern matched its one use
+    (`"unmatched"`)."""
+    if all(use == "stop_gradient" for use in leaf_uses):
         return "unused"
     if register_only_generic:
         return "unregistered"
@@ -366,7 +367,7 @@ def auto_register_tags(
     registration) are kept and their parameters are not matched again (a layer tag whose outputs
     the losses do not depend on, e.g. in a second evaluation of the network, registers nothing). Every parameter no tag
     claims gets a `generic` tag of its own, whose origin says why: `"unused"` (the registered
-    losses do not depend on it), `"unmatched"` (no pattern matched its use), `"unregistered"`
+    losses do not depend on it, or only through `stop_gradient`), `"unmatched"` (no pattern matched its use), `"unregistered"`
     (`register_only_generic`), or `"shared"`: a parameter used in more than one place that the
     registered losses depend on (weight tying, a value carried through a `scan`) is never matched
     to a layer (the estimators report these fallbacks, see their `on_unmatched`). To give it a

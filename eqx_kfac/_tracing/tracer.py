@@ -21,6 +21,7 @@ from jaxtyping import Array, PyTree
 
 from .._core.cache import LRUCache
 from .layer_data import EstimationData
+from .tags import is_loss_tag_eqn
 from .traced import is_dynamic, LayerHook, LossHook, run_traced, TracedFunction
 
 
@@ -182,7 +183,9 @@ def registration_problems(traced: TracedFunction, func_args: Sequence[Any]) -> l
     """The suspicious registrations of a traced function, read off its jaxpr (nothing is
     evaluated): a registered loss whose inputs the parameters do not reach (registered on
     `stop_gradient(logits)`, or on the targets: it adds no curvature, and steps are unbounded), and
-    a loss whose inputs were registered already (their curvature counts twice).
+    a loss whose inputs were registered already by a loss of the same class (their curvature
+    counts twice; two different losses on one tensor, such as a cross-entropy and a squared-error
+    penalty on the logits, are a sum of two terms, and are fine).
 
     **Arguments:**
 
@@ -204,13 +207,19 @@ def registration_problems(traced: TracedFunction, func_args: Sequence[Any]) -> l
     structure = jax.tree.structure(jax.eval_shape(inputs, others, params, params))
     primal_outs, tangent_outs = jax.tree.unflatten(structure, closed.jaxpr.outvars)
     names = [f"registered loss #{k} ({cls.__name__})" for k, cls in enumerate(traced.loss_classes)]
+    # A loss tag returns its inputs: a loss registered on what another one returned has its inputs.
+    source = {}  # by `id`: a jaxpr's literals are not hashable
+    for eqn in closed.jaxpr.eqns:
+        if is_loss_tag_eqn(eqn):
+            source.update({id(o): source.get(id(v), id(v)) for o, v in zip(eqn.outvars, eqn.invars)})
     problems, seen = [], {}
     for k, outs in enumerate(primal_outs):
-        key = tuple(map(id, outs))
+        key = (traced.loss_classes[k], *(source.get(id(v), id(v)) for v in outs))
         if key in seen:
             problems.append(
-                f"the inputs of {names[k]} were registered already ({names[seen[key]]}): their "
-                "curvature counts twice. Register each output once (one register_* call per loss term)."
+                f"the inputs of {names[k]} were registered already by the same loss "
+                f"({names[seen[key]]}): their curvature counts twice. Register each loss term once "
+                "(with `weight=2` if the loss function does count it twice)."
             )
         seen.setdefault(key, k)
     n_tangents = len(jax.tree.leaves(params))

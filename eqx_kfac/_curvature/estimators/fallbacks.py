@@ -1,12 +1,14 @@
 """Reporting parameters that fall back to a generic (per-parameter, diagonal) block.
 
-A parameter gets a generic tag when no layer accounts for it: the registered losses do not depend
-on it (origin `"unused"`), no graph pattern matched its one use (`"unmatched"`), it is used in
-more than one place that the losses depend on (`"shared"`: tied weights, a weight normalised by a
-function of itself, a scan carry), or automatic registration is off and nothing registered it
-(`"unregistered"`). Its curvature is then approximated per parameter, which is a silent loss of
-structure; estimators report it as `on_unmatched` says, with the primitives that use it. A generic
-tag registered by hand (`register_generic`, origin `"manual"`) is a choice, not a fallback.
+A parameter gets a generic tag when no layer accounts for it: no graph pattern matched its one
+use (`"unmatched"`), it is used in more than one place that the losses depend on (`"shared"`: tied
+weights, a weight normalised by a function of itself, a scan carry), or automatic registration is
+off and nothing registered it (`"unregistered"`). Its curvature is then approximated per
+parameter, which is a silent loss of structure; estimators report it as `on_unmatched` says, with
+the primitives that use it. A parameter the registered losses do not depend on (`"unused"`: frozen
+behind `stop_gradient`, unused, or used only in a regulariser) needs no curvature: it is reported
+apart, as such, and is never an error. A generic tag registered by hand (`register_generic`,
+origin `"manual"`) is a choice, not a fallback.
 """
 
 import collections
@@ -27,7 +29,7 @@ from ..._tracing.layer_data import LayerSpec
 
 ON_UNMATCHED = ("warn", "error", "ignore")
 
-_FALLBACKS = ("unused", "unmatched", "shared", "unregistered")
+_FALLBACKS = ("unmatched", "shared", "unregistered")
 
 
 def _listed(uses: Sequence[str]) -> str:
@@ -41,11 +43,12 @@ def _listed(uses: Sequence[str]) -> str:
 def _why(spec: LayerSpec) -> str:
     """What happened to the parameter of a fallback spec, in words."""
     uses = tuple(spec.get("uses", ()))
+    if spec.origin == "unused" and uses:
+        return "it is frozen: the registered losses reach it only through `jax.lax.stop_gradient`"
     if spec.origin == "unused":
         return (
             "the registered losses do not depend on it (it is unused, or used only in what they "
-            "do not depend on, e.g. a regulariser added to the loss value or a returned metric), "
-            "so its curvature is zero"
+            "do not depend on, e.g. a regulariser added to the loss value or a returned metric)"
         )
     if spec.origin == "unmatched":
         return f"it is used once, by {_listed(uses)}, and no layer pattern matched the computation there"
@@ -108,26 +111,45 @@ def check_on_unmatched(on_unmatched: str, where: str) -> str:
     return on_unmatched
 
 
+def _listing(specs: Sequence[LayerSpec]) -> str:
+    return "\n".join(f"  - `{', '.join(s.param_paths)}` ({s.origin}): {_why(s)}" for s in specs)
+
+
 def report_fallbacks(specs: Sequence[LayerSpec], on_unmatched: str) -> None:
-    """Warns about (or raises for) parameters that fall back to a generic block.
+    """Warns about (or raises for) parameters that fall back to a generic block, and reports
+    (apart, never as an error) those the registered losses do not depend on (frozen or unused).
 
     **Arguments:**
 
     - `specs`: the traced function's layer specs.
     - `on_unmatched`: `"warn"` (a `UserWarning` naming the parameter paths, pointing at the
-      user's call), `"error"` (a `ValueError`) or `"ignore"`.
+      user's call), `"error"` (a `ValueError` for fallbacks; parameters the losses do not depend
+      on still warn) or `"ignore"`.
     """
-    fallbacks = [s for s in specs if s.tag == "generic" and s.origin in _FALLBACKS]
-    if not fallbacks or on_unmatched == "ignore":
+    generic = [s for s in specs if s.tag == "generic"]
+    fallbacks = [s for s in generic if s.origin in _FALLBACKS]
+    unused = [s for s in generic if s.origin == "unused"]
+    if not (fallbacks or unused) or on_unmatched == "ignore":
         return
-    lines = "\n".join(f"  - `{', '.join(s.param_paths)}` ({s.origin}): {_why(s)}" for s in fallbacks)
+    sections = []
+    if fallbacks:
+        sections.append(
+            f"{len(fallbacks)} parameter(s) fall back to a generic per-parameter (diagonal) "
+            f"curvature block instead of a structured one:\n{_listing(fallbacks)}\nRegister their "
+            "layers by hand (`eqx_kfac.register_dense`, `register_conv2d`, ...) or add a "
+            "`GraphPattern` for them; `register_generic` marks a fallback as intended."
+        )
+    if unused:
+        sections.append(
+            f"{len(unused)} parameter(s) are not reached by the registered losses (frozen or "
+            "unused): they need no curvature, and this is no fallback. Their curvature is zero, so "
+            "the damping alone scales their gradient (none for a frozen parameter):\n"
+            f"{_listing(unused)}"
+        )
     message = (
-        f"eqx_kfac: {len(fallbacks)} parameter(s) fall back to a generic per-parameter (diagonal) "
-        f"curvature block instead of a structured one:\n{lines}\n"
-        "Register their layers by hand (`eqx_kfac.register_dense`, `register_conv2d`, ...) or add a "
-        "`GraphPattern` for them; `register_generic` marks a fallback as intended. Pass "
-        "`on_unmatched='ignore'` to accept the fallback silently, or `'error'` to make it an error."
+        "eqx_kfac: " + "\n".join(sections) + "\nPass `on_unmatched='ignore'` to silence this "
+        "report, or `'error'` to make a fallback an error."
     )
-    if on_unmatched == "error":
+    if on_unmatched == "error" and fallbacks:
         raise ValueError(message)
     warnings.warn(message, UserWarning, stacklevel=user_stacklevel(sys._getframe()))

@@ -9,8 +9,9 @@ fail silently (K-FAC then diverges or learns nothing, with no error).
   passed in the batch) scales the curvature wrongly.
 - **A loss the parameters do not reach** (registered on `stop_gradient(logits)`, or on the
   targets): it adds no curvature, and the steps are unbounded.
-- **The same tensor registered twice**: its curvature counts twice.
-- **Class labels outside `[0, classes)`** (e.g. `-1` for "ignore"): lookups would wrap them.
+- **The same loss registered twice on one tensor**: its curvature counts twice.
+- **Class labels outside `[0, classes)`** (e.g. `-1` for "ignore") on examples that are not
+  masked out: lookups would wrap them.
 """
 
 import sys
@@ -122,9 +123,10 @@ def _check_labels(labels: Sequence[Any]) -> None:
         if int(count):
             raise ValueError(
                 f"eqx_kfac: registered loss #{k} (a categorical loss) has {int(count)} labels outside "
-                "[0, classes) (e.g. -1 used as 'ignore'). Give such examples a valid label and "
-                "`mask=0` in the register_* call instead (labels outside the range give a NaN loss "
-                "in the curvature, and the step is skipped)."
+                "[0, classes) (e.g. -1 used as 'ignore') on examples it does not mask out. Give such "
+                "examples `mask=0` in the register_* call (a masked example may carry any label). "
+                "In a step, where the curvature reads the labels (`fisher_empirical`), such a label "
+                "gives a NaN loss and gradient, never a wrapped class."
             )
 
 
@@ -163,7 +165,7 @@ def check_batch_size(
 
 def warn_about_registrations(func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0) -> None:
     """Warns (at the user's call) about each problem `registration_problems` finds: a registered
-    loss the parameters do not reach, a tensor registered as the input of two losses.
+    loss the parameters do not reach, a tensor registered twice as the input of the same loss.
 
     **Arguments:**
 

@@ -6,6 +6,12 @@ from typing import NamedTuple
 from ..._tracing.layer_data import LayerSpec
 
 
+_UNUSED_NOTE = (
+    "(origin `unused`: the registered losses do not depend on the parameter, which is frozen or "
+    "unused; it needs no curvature, and its zero block is no fallback)"
+)
+
+
 class Registration(NamedTuple):
     """How one parameter is approximated: its layer tag, the block class, who registered it, and,
     for a layer inside `jax.lax.scan`, how (`"stacked xN"`: one slice of stacked parameters per
@@ -26,7 +32,8 @@ def scan_use(spec: LayerSpec) -> str:
 
 
 class Registrations(Mapping[str, Registration]):
-    """A read-only map from parameter path to its `Registration`; `str()` prints a table."""
+    """A read-only map from parameter path to its `Registration`; `str()` prints a table (with
+    a note saying what origin `unused` means when a parameter has it)."""
 
     def __init__(self, entries: Sequence[tuple[str, Registration]]):
         """**Arguments:**
@@ -53,4 +60,6 @@ class Registrations(Mapping[str, Registration]):
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if any(reg.origin == "unused" for reg in self._entries.values()):
+            lines.append(_UNUSED_NOTE)
         return "\n".join(lines)

@@ -39,6 +39,24 @@ def _set_fields(
     loss.weight = as_weight(weight, logits, name)
 
 
+def check_class_labels(targets: Array | None, logits_shape: tuple[int, ...], where: str) -> None:
+    """Raises `TypeError` unless `targets` (class labels, one per example) are integers.
+
+    **Arguments:**
+
+    - `targets`: the labels, or `None`.
+    - `logits_shape`: the shape of the logits they index.
+    - `where`: the loss or `register_*` function taking them, for the message.
+    """
+    if targets is not None and not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(
+            f"{where}: `targets` of shape {targets.shape} are read as class labels (one per "
+            f"example), which must be integers, but they have dtype {targets.dtype}. Pass integer "
+            "class labels (e.g. `labels.astype(jnp.int32)`), or one-hot (or probability) targets "
+            f"of the shape of the logits {tuple(logits_shape)}, which select the one-hot loss."
+        )
+
+
 class MultiBernoulliNegativeLogProbLoss(AbstractFisherAsGGNLoss):
     """Negative log-likelihood of independent Bernoulli outputs given by logits.
 
@@ -155,9 +173,10 @@ class CategoricalLogitsNegativeLogProbLoss(_AbstractCategoricalLoss):
     **Fields:**
 
     - `logits`: shape `(*batch, classes)`.
-    - `targets`: optional integer class indices, shape `(*batch,)`.
+    - `targets`: optional integer class indices, shape `(*batch,)`. A label outside
+      `[0, classes)` gives a NaN loss and gradient (never a wrapped class).
     - `mask`: optional non-negative (usually 0/1) per-example mask, shape `(*batch,)`; masked
-      examples contribute nothing to the loss, its gradient and curvature.
+      examples contribute nothing to the loss, its gradient and curvature, whatever their label.
     - `weight`: coefficient of the loss: a scalar, or one per example (shaped like the
       leading batch axes of the inputs).
     """
@@ -175,21 +194,31 @@ class CategoricalLogitsNegativeLogProbLoss(_AbstractCategoricalLoss):
         weight: Real[ArrayLike, "..."] = 1.0,
     ):
         """**Arguments:** as the fields; `weight` may be a Python number."""
+        check_class_labels(targets, logits.shape, type(self).__name__)
         _set_fields(self, logits, targets, mask, weight, targets_per_class=False, mask_per_class=False)
 
+    def _out_of_range(self, targets: Array) -> Array:
+        """Where an example that is not masked out has a label outside `[0, classes)`; a masked
+        example (`mask == 0`) may carry any label, e.g. -1 for padding."""
+        outside = (targets < 0) | (targets >= self.logits.shape[-1])
+        return outside if self.mask is None else outside & (self.mask != 0)
+
     def evaluate_unweighted(self, targets: Array) -> Array:
-        # A label outside [0, classes) (e.g. -1 for "ignore") gives NaN, never a wrapped class:
-        # the step's finiteness checks then catch it.
-        classes = self.logits.shape[-1]
-        picked = jnp.take_along_axis(self._log_probs(), targets[..., None] % classes, axis=-1)
-        valid = ((targets >= 0) & (targets < classes))[..., None]
-        return self._masked(-jnp.where(valid, picked, jnp.nan))[..., 0]
+        # A label outside [0, classes) (e.g. -1 for "ignore") is looked up as class 0 (never a
+        # wrapped class) and gives a NaN loss and a NaN gradient, which the step's finiteness
+        # checks catch; on an example the mask drops, the mask zeroes that lookup instead.
+        invalid = self._out_of_range(targets)
+        labels = jnp.where((targets >= 0) & (targets < self.logits.shape[-1]), targets, 0)
+        picked = jnp.take_along_axis(self._log_probs(), labels[..., None], axis=-1)[..., 0]
+        nan_if_invalid = jnp.where(invalid, jnp.nan, 1).astype(picked.dtype)
+        return apply_mask(-picked * nan_if_invalid, self.mask)
 
     def targets_out_of_range(self) -> Array:
-        """The number of targets outside `[0, classes)` (0 without targets)."""
+        """The number of examples not masked out whose target lies outside `[0, classes)` (0
+        without targets)."""
         if self.targets is None:
             return jnp.zeros((), jnp.int32)
-        return jnp.sum((self.targets < 0) | (self.targets >= self.logits.shape[-1]))
+        return jnp.sum(self._out_of_range(self.targets))
 
     def sample(self, key: PRNGKeyArray) -> Array:
         return self._sample_classes(key)

@@ -8,6 +8,7 @@ from .logits import (
     CategoricalLogitsNegativeLogProbLoss,
     MultiBernoulliNegativeLogProbLoss,
     OneHotCategoricalLogitsNegativeLogProbLoss,
+    check_class_labels,
 )
 from .normal import NormalMeanNegativeLogProbLoss
 
@@ -140,21 +141,33 @@ def register_categorical_predictive_distribution(
     **Arguments:**
 
     - `logits`: the model's output, shape `(batch, ..., classes)`.
-    - `targets`: optional integer labels of shape `logits.shape[:-1]`, or one-hot vectors of the
-      shape of `logits` (needed for `fisher_empirical`).
-    - `mask`: optional 0/1 mask of shape `logits.shape[:-1]`; masked examples contribute nothing.
+    - `targets`: optional integer labels in `[0, classes)` of shape `logits.shape[:-1]` (float
+      labels are a `TypeError`), or one-hot vectors of the shape of `logits` (needed for
+      `fisher_empirical`).
+    - `mask`: optional 0/1 mask of shape `logits.shape[:-1]`; masked examples contribute nothing,
+      and may carry any label (e.g. -1 for padding).
     - `weight`: coefficient of the loss, independent of the parameters: a scalar, or one
       per example (shape `(batch,)`, or the leading batch axes of the inputs).
 
     **Returns:** `logits`, unchanged.
     """
+    where = "register_categorical_predictive_distribution"
+    return _register_categorical(logits, targets, mask, weight, where)
+
+
+def _register_categorical(
+    logits: Array, targets: Array | None, mask: Array | None, weight: ArrayLike, where: str
+) -> Array:
+    """The loss of `register_categorical_predictive_distribution`, registered; `where` is the
+    `register_*` function called, for the messages."""
     if targets is not None and targets.ndim == logits.ndim:
         loss = OneHotCategoricalLogitsNegativeLogProbLoss(logits, targets, mask, weight)
     elif targets is None or targets.ndim == logits.ndim - 1:
+        check_class_labels(targets, logits.shape, where)
         loss = CategoricalLogitsNegativeLogProbLoss(logits, targets, mask, weight)
     else:
         raise ValueError(
-            f"Categorical loss: `targets` must be integer labels of shape {logits.shape[:-1]} or "
+            f"{where}: `targets` must be integer labels of shape {logits.shape[:-1]} or "
             f"one-hot vectors of shape {logits.shape}, got shape {targets.shape}."
         )
     return _register(loss)
@@ -172,4 +185,4 @@ def register_softmax_cross_entropy_loss(
 
     **Returns:** `logits`, unchanged.
     """
-    return register_categorical_predictive_distribution(logits, targets, mask, weight)
+    return _register_categorical(logits, targets, mask, weight, "register_softmax_cross_entropy_loss")
