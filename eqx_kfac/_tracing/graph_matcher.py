@@ -62,7 +62,7 @@ from .graph_patterns import (
     default_parameters,
     GraphPattern as GraphPattern,
 )
-from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, scan_consts_and_carry
+from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, scan_consts_and_carry, subjaxprs
 from .liveness import inner_jaxpr, LiveTable, liveness
 from .pattern_matching import JaxprGraph, PatternMatcher, pattern_graphs, is_transparent
 from .layer_registration import bind_dense, register_conv2d, register_embedding, register_scale_and_shift
@@ -170,6 +170,15 @@ SCAN_CARRY = "a scan carry"
 _RETURNED = "a returned value"
 
 
+def _use_name(eqn: JaxprEqn) -> str:
+    """A use's name in the fallback report: the primitive's, and for one holding jaxprs the matcher
+    does not look into (`cond`, `while`), that it does not and what to do."""
+    name = eqn.primitive.name
+    if next(subjaxprs(eqn), None) is None:
+        return name
+    return f"`{name}` (layers are not matched inside it: apply the layer outside the `{name}`)"
+
+
 def _count_uses(
     jaxpr: Jaxpr,
     refs: dict[Var, _Ref],
@@ -202,7 +211,7 @@ def _count_uses(
             for k in per_eqn[i]:
                 v = eqn.invars[k]
                 if isinstance(v, Var) and v in refs:
-                    uses.setdefault(refs[v][0], []).append(eqn.primitive.name)
+                    uses.setdefault(refs[v][0], []).append(_use_name(eqn))
             continue
         inner, inner_refs, reused = child
         for k, leaf in reused:

@@ -14,7 +14,15 @@ the hook; the hook may replace the equation's evaluation.
   and calls the hook on their inner equations:
   - `jit`/`pjit`/`closed_call`/`core_call`: inlined.
   - `remat2` (`jax.checkpoint`, `eqx.filter_checkpoint`): the evaluation of the inner jaxpr is
-    wrapped again in `jax.checkpoint` with the same `policy` and `prevent_cse`.
+    wrapped again in `jax.checkpoint` with the same `policy` and `prevent_cse`. What the hook
+    records while the body is evaluated are values of the checkpoint's own trace, which must not
+    be kept past it: the evaluator calls `token = hook.begin_remat(eqn)` before the body and
+    `recorded = hook.end_remat(token)` after it (both inside the checkpointed function;
+    `end_remat` removes from the hook what it recorded since `begin_remat` and returns it as a
+    PyTree), returns the array leaves of `recorded` as extra outputs of the checkpointed function,
+    and calls `hook.exit_remat(eqn, recorded)` outside it with those outputs in their place. The
+    hook may read values of the enclosing evaluation inside the body (`jax.checkpoint` takes them
+    as inputs).
   - `custom_jvp_call`/`custom_vjp_call`: bound as they are (keeping their custom derivative rules,
     the hook is not called inside) unless `hook.descend_into(eqn)` is true, in which case the
     primal jaxpr is inlined (its custom derivative rule is then replaced by ordinary autodiff).
@@ -48,6 +56,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Var
@@ -69,8 +78,9 @@ class JaxprHook:
     """Base class for hooks of `eval_jaxpr` that need more than a plain function.
 
     Override `__call__` to intercept equations, `matches` (or `descend_into`) to have the
-    evaluator descend into custom-derivative functions, and the scan methods to thread extra
-    per-iteration inputs and outputs through interpreted scans (see the module docstring).
+    evaluator descend into custom-derivative functions, the scan methods to thread extra
+    per-iteration inputs and outputs through interpreted scans, and the remat methods to hand what
+    it records inside a checkpointed body out of it (see the module docstring).
     """
 
     def __call__(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
@@ -102,6 +112,18 @@ class JaxprHook:
 
     def exit_scan(self, eqn: JaxprEqn, ys: Any) -> None:
         """Receives the stacked extra per-iteration outputs of the scan `eqn`."""
+
+    def begin_remat(self, eqn: JaxprEqn) -> Any:
+        """Called inside the checkpointed function before the body of the remat `eqn`; returns a
+        token for `end_remat`."""
+        return None
+
+    def end_remat(self, token: Any) -> Any:
+        """Removes and returns (a PyTree) what the hook recorded since `begin_remat` gave `token`."""
+        return None
+
+    def exit_remat(self, eqn: JaxprEqn, recorded: Any) -> None:
+        """Receives, outside the checkpoint, what `end_remat` returned, as outputs of the remat `eqn`."""
 
 
 class _FunctionHook(JaxprHook):
@@ -239,16 +261,23 @@ def _bind(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
 def _eval_remat(eqn: JaxprEqn, invals: list[Any], hook: JaxprHook) -> list[Any]:
     body = eqn.params["jaxpr"]
     skipped: list[bool] = []
+    recorded_static: list[Any] = []
 
     def remat_body(*xs):
-        # Only arrays may leave `jax.checkpoint`: skipped outputs are put back outside it.
+        # Only arrays may leave `jax.checkpoint`, and only as outputs: skipped outputs are put back
+        # outside it, and what the hook recorded inside leaves it as outputs too (kept aside, it
+        # would be a tracer of the checkpoint's trace, leaked into the caller's).
+        token = hook.begin_remat(eqn)
         outs = _eval(body, [], xs, hook)
+        recorded, static = eqx.partition(hook.end_remat(token), eqx.is_array)
         skipped[:] = [o is SKIPPED for o in outs]
-        return [o for o in outs if o is not SKIPPED]
+        recorded_static[:] = [static]
+        return [o for o in outs if o is not SKIPPED], recorded
 
-    outs = iter(
-        jax.checkpoint(remat_body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])(*invals)
-    )
+    checkpointed = jax.checkpoint(remat_body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+    outs, recorded = checkpointed(*invals)
+    hook.exit_remat(eqn, eqx.combine(recorded, recorded_static[0]))
+    outs = iter(outs)
     return [SKIPPED if s else next(outs) for s in skipped]
 
 

@@ -356,15 +356,61 @@ def _find_tags(jaxpr: Jaxpr, n_params: int, param_paths: Sequence[str], live: fr
                     layers.append(_layer_occurrence(eqn, srcs, here, scans, param_paths, here in live))
                 else:
                     unused.update(src[0] for src in tag.split(srcs)[2] if src is not None)
-            elif any(_contains_tags(sub) for sub in subjaxprs(eqn)):
-                raise ValueError(
-                    f"A tag is used inside `{name}`, which the tracer does not look into; move the "
-                    "registration out of it (only jit, checkpoint, scan and custom_jvp/vjp functions "
-                    "are supported)."
-                )
+                if not tag.num_outputs:
+                    # A generic tag returns its parameters (the graph matcher binds one on each
+                    # parameter it finds no layer for): what follows uses the same parameters.
+                    sources.update(_bind_sources(eqn.outvars, srcs))
+            elif here in live and any(_contains_tags(sub) for sub in subjaxprs(eqn)):
+                raise _tags_inside_error(eqn, srcs, param_paths)
 
     walk(jaxpr, {v: (i, 0) for i, v in enumerate(jaxpr.invars[:n_params])}, (), ())
     return layers, unused, losses
+
+
+# What to do about a layer (first) or a loss (second) registered inside a higher-order primitive
+# that the tracer does not look into.
+_INSTEAD = {
+    "cond": (
+        "a layer applied in one branch of `jax.lax.cond` / `jax.lax.switch` has no inputs and output "
+        "derivatives when the other branch runs: apply it outside the `cond` (compute it "
+        "unconditionally and choose its result with `jnp.where`), or register its parameters with "
+        "`register_generic` outside the `cond` (a diagonal block)",
+        "register the loss outside the `cond`, on the value the `cond` returns",
+    ),
+    "while": (
+        "write the loop as `jax.lax.scan` with a fixed number of steps (layers inside scans are supported)",
+        "register the loss outside the loop, on the value the loop returns",
+    ),
+}
+
+
+def _tags_inside_error(eqn: JaxprEqn, srcs: Sequence[Any], param_paths: Sequence[str]) -> ValueError:
+    """The error for tags inside an equation (`cond`, `while`, ...) the tracer does not look into,
+    naming each tag and its parameters, and what to do instead."""
+    name = eqn.primitive.name
+    layers, losses = [], []
+    for sub in subjaxprs(eqn):
+        # `cond`'s branches take its operands (after the index), `while`'s body its body consts and
+        # carries: the trailing invars of the equation in both cases.
+        sources = _bind_sources(sub.invars, srcs[len(srcs) - len(sub.invars) :]) if name in _INSTEAD else {}
+        for inner in iter_eqns(sub):
+            if is_loss_tag_eqn(inner):
+                losses.append(f"the loss {type(inner.params['structure'].static).__name__}")
+            elif is_layer_tag_eqn(inner):
+                tag = layer_tag_of(inner)
+                names = [
+                    f"`{param_paths[sources[v][0]]}`" if isinstance(v, Var) and v in sources else "a computed value"
+                    for v in tag.split(inner.invars)[2]
+                ]
+                origin = inner.params.get("origin", "manual")
+                layers.append(f"the {tag.name} tag (origin {origin!r}) of {', '.join(names) or 'no parameters'}")
+    instead = _INSTEAD.get(name, ("move the registration out of it",) * 2)
+    what = "; ".join(dict.fromkeys(layers + losses))
+    todo = "; ".join(text for text, found in zip(instead, (layers, losses)) if found)
+    return ValueError(
+        f"{what[0].upper()}{what[1:]} is registered inside `{name}`, which the tracer does not look into "
+        f"(it looks into jit, checkpoint, scan and custom_jvp/vjp functions only): {todo}."
+    )
 
 
 def _registered_layers(
@@ -458,6 +504,19 @@ class LossHook(_TagHook):
             self.run.loss_inputs.append(tuple(loss.inputs))
         return None
 
+    def begin_remat(self, eqn):
+        return len(self.run.losses)
+
+    def end_remat(self, token):
+        recorded = (self.run.losses[token:], self.run.loss_inputs[token:])
+        del self.run.losses[token:], self.run.loss_inputs[token:]
+        return recorded
+
+    def exit_remat(self, eqn, recorded):
+        losses, loss_inputs = recorded
+        self.run.losses.extend(losses)
+        self.run.loss_inputs.extend(loss_inputs)
+
 
 class LayerHook(LossHook):
     """Adds the perturbations to layer outputs and records layer inputs and outputs."""
@@ -494,3 +553,16 @@ class LayerHook(LossHook):
 
     def exit_scan(self, eqn, ys):
         self.recorded[-1].update(ys)
+
+    def begin_remat(self, eqn):
+        # The perturbations are read from the enclosing evaluation; the layers are recorded apart.
+        self.recorded.append({})
+        return super().begin_remat(eqn)
+
+    def end_remat(self, token):
+        return super().end_remat(token), self.recorded.pop()
+
+    def exit_remat(self, eqn, recorded):
+        losses, layers = recorded
+        super().exit_remat(eqn, losses)
+        self.recorded[-1].update(layers)
