@@ -162,3 +162,32 @@ def test_shard_state_needs_multi_device():
     loss, _, _ = _problem()
     with pytest.raises(ValueError, match="multi_device=True"):
         _optimizer(loss, shard_state=True)
+
+
+def test_a_replicated_then_a_sharded_step_of_one_loss():
+    """The loss's trace is cached per abstract mesh: one made under the replicated layout's
+    `shard_map` (mesh axes Manual) and reused by the sharded SPMD step (Auto) mixed the two meshes
+    in the quadratic model (`ValueError: Mesh for all inputs should be equal`, seen in
+    `benchmarks/scale.py --quick`). The sharded step equals the single-device one (the
+    replicated one draws its Fisher samples per device, so it differs from both)."""
+    loss, model, batch = _problem()
+    adaptive = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+
+    def run(optimizer, params):
+        state = optimizer.init(params, jax.random.key(3), batch)
+        step = jax.jit(lambda p, s, k: optimizer.step(p, s, k, batch=batch, damping=1e-2))
+        return step(params, state, jax.random.key(0))[0]
+
+    # The replicated step first, as in the benchmark: its trace is the first one made. On a
+    # 1 x 1 mesh no value varies over a mesh axis, so only the mesh tells the traces apart.
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    replicated = run(_optimizer(loss, multi_device=True, mesh=mesh, pmap_axis_name="data", **adaptive), model)
+    placed = eqx.filter_shard(model, eqx_kfac.sharding_by_size(model, mesh))
+    sharded = run(
+        _optimizer(loss, multi_device=True, mesh=mesh, pmap_axis_name="data", shard_state=True, **adaptive),
+        placed,
+    )
+    single = run(_optimizer(loss, **adaptive), model)
+    update = np.linalg.norm(_flat(single) - _flat(model))
+    assert np.isfinite(_flat(replicated)).all()
+    assert np.linalg.norm(_flat(sharded) - _flat(single)) <= 1e-8 * update

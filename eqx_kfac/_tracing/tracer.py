@@ -41,8 +41,13 @@ def _aval_key(x: Any) -> Any:
 
 
 def _cache_key(func: Callable, func_args: Sequence[Any], params_index: int) -> Any:
+    # The abstract mesh in force (its axes Manual under `shard_map`, Auto in an SPMD program) is
+    # part of every aval the trace holds: a trace made under `shard_map` and reused outside it
+    # mixed the two meshes in one operation (`benchmarks/scale.py`'s replicated, then sharded
+    # step).
     leaves, treedef = jax.tree.flatten(tuple(func_args))
-    return (func, params_index, treedef, tuple(_aval_key(x) for x in leaves))
+    mesh = jax.sharding.get_abstract_mesh()
+    return (func, params_index, treedef, tuple(_aval_key(x) for x in leaves), mesh)
 
 
 def trace(func: Callable, func_args: Sequence[Any], params_index: int = 0) -> TracedFunction:
