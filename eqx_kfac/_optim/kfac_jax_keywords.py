@@ -42,7 +42,10 @@ KEYWORDS: Mapping[str, Mapping[str, Any]] = {
         num_burnin_steps=10, curvature_update_period=1, inverse_update_period=5, curvature_ema=0.95,
         max_statistics_growth=1e3,
     ),
-    "guard": dict(skip_non_finite=True, use_step_rejection=True, max_consecutive_faults=20),
+    "guard": dict(
+        skip_non_finite=True, use_step_rejection=True, max_consecutive_faults=20,
+        max_consecutive_stalls=50,
+    ),
 }
 
 # The initial damping of adaptive damping when none is given: right for losses of order one.
@@ -125,7 +128,8 @@ _BUILDERS: Mapping[str, Callable[[Mapping[str, Any]], Any]] = {
         k["curvature_ema"], k["max_statistics_growth"],
     ),
     "guard": lambda k: StepGuard(
-        k["skip_non_finite"], k["use_step_rejection"], k["max_consecutive_faults"]
+        k["skip_non_finite"], k["use_step_rejection"], k["max_consecutive_faults"],
+        max_consecutive_stalls=k["max_consecutive_stalls"],
     ),
 }
 

@@ -1,10 +1,10 @@
-"""`kfac_preconditioner`, `kfac_optax` and `skip_non_finite`: K-FAC as optax transformations.
+"""`kfac_preconditioner` and `kfac_optax`: K-FAC as optax transformations.
 
 The preconditioner keeps the curvature estimate (moving averages and cached inverses) in its optax
 state and maps gradients to `(C + (l2_reg + damping) I)⁻¹ g`, with the same `Preconditioner` as
 `Optimizer`. Everything else (learning rate, momentum, clipping, weight decay, schedules, gradient
 accumulation) is left to ordinary optax transformations around it; `kfac_optax` is the ready
-recipe, guarded by `skip_non_finite`.
+recipe, guarded by the same `StepGuard` as `Optimizer` (`optax_guard.py`).
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +24,8 @@ from .._curvature.blocks._solver_cache import SolverChoice
 from .._curvature.estimators import EstimatorState
 from .._tracing.layer_data import LayerSpec
 from .direction import PreconditionedGradient
-from .guard import GuardState, StepGuard
+from .guard import StepGuard
+from .optax_guard import check_restored, GuardedTransform, skip_non_finite, SkipNonFiniteState
 from .preconditioner import CurvatureOptions, Preconditioner
 from .refresh import RefreshSchedule
 
@@ -76,16 +77,28 @@ def _loss_args(num_loss_args: int, batch: Any, loss_args: Any) -> tuple[Any, ...
     return tuple(loss_args)
 
 
-def _check_state(state: Any) -> None:
-    if not isinstance(state, KFACPreconditionerState):
-        raise TypeError(
-            "kfac_preconditioner: the state is a "
-            f"{type(state).__name__}, not the KFACPreconditionerState that init made. A checkpoint "
-            "restored without a template (e.g. orbax's restore without `item=`/`target=`) comes "
-            "back as plain dicts: restore it into the structure of `optimizer.init(params)` "
-            "(orbax: pass that as the template; Equinox: `eqx.tree_deserialise_leaves(path, "
-            "optimizer.init(params))`)."
+def _check_scalar_loss(loss_fn: Callable[..., Any], example_args: tuple[Any, ...]) -> None:
+    out = eqx.filter_eval_shape(lambda args: _loss_of(loss_fn(*args)), example_args)
+    if getattr(out, "shape", None) != ():
+        raise ValueError(
+            "kfac_preconditioner: loss_fn must return a scalar, the loss averaged over the batch, "
+            f"but it returns {jax.tree.map(lambda x: getattr(x, 'shape', x), out)} on example_args. "
+            "Average the per-example losses (`jnp.mean(losses)`); other outputs go after the loss "
+            "as `(loss, aux)`."
         )
+
+
+def _func_args(
+    static_model: Any, num_loss_args: int, params: Any, batch: Any, loss_args: Any
+) -> tuple[Any, ...]:
+    """`loss_fn`'s arguments: the model from `params` (its inexact arrays) and the rest."""
+    if params is None:
+        raise ValueError(
+            "kfac_preconditioner: update needs the current parameters: call "
+            "`update(grads, state, params, batch=..., key=...)`."
+        )
+    model = eqx.combine(eqx.filter(params, eqx.is_inexact_array), static_model)
+    return (model, *_loss_args(num_loss_args, batch, loss_args))
 
 
 def kfac_preconditioner(
@@ -196,12 +209,14 @@ def kfac_preconditioner(
       by more than this factor is not folded in (an outlier batch); `None` folds in every finite
       batch.
 
-    **Faults.** A step whose gradient is not finite folds nothing into the curvature and leaves
-    the cached inverses as they are; a batch whose statistics are not finite (e.g. inputs so
+    **Faults.** A step whose gradient, or loss passed as `value=` (optax's convention), is not
+    finite folds nothing into the curvature and leaves the cached inverses as they are; a batch whose statistics are not finite (e.g. inputs so
     large that a second moment overflows) or grow beyond `max_statistics_growth` (an outlier
     batch, e.g. inputs 1e10 times their usual size) is not folded in either. The preconditioned gradient
-    itself is returned as it is: wrap the chain in `eqx_kfac.skip_non_finite` (as `kfac_optax`
-    does) to leave parameters and state unchanged on such a step.
+    itself is returned as it is: wrap the chain in `eqx_kfac.skip_non_finite` (or use
+    `kfac_optax`, which also skips a step whose loss is not finite and can reject one that raises
+    it) to leave parameters and state unchanged on such a step. A `loss_fn` that does not return a
+    scalar (per-example losses) raises `ValueError` here.
 
     The registration table (which block each parameter gets) is logged at INFO level on the
     `"eqx_kfac"` logger. When `example_args` are arrays, the loss is evaluated on them once: a
@@ -210,10 +225,10 @@ def kfac_preconditioner(
     **Returns:**
 
     An `optax.GradientTransformationExtraArgs` whose `update(grads, state, params, *, batch,
-    key)` needs the current `params` (or model), this step's `batch` (or, for a `loss_fn` with
-    more arguments, `loss_args=` all the arguments after the model) and a PRNG `key` for the
-    sampled estimation modes (ignored by the exact ones). Its state is a
-    `KFACPreconditionerState`.
+    key, value=None)` needs the current `params` (or model), this step's `batch` (or, for a
+    `loss_fn` with more arguments, `loss_args=` all the arguments after the model) and a PRNG
+    `key` for the sampled estimation modes (ignored by the exact ones); `value` is the step's
+    loss, when known. Its state is a `KFACPreconditionerState`.
     """
     example_args = tuple(example_args)
     if len(example_args) < 2:
@@ -221,6 +236,7 @@ def kfac_preconditioner(
             "kfac_preconditioner: example_args must be `(model, batch)` (or `(model, *loss_args)`), "
             f"the arguments of loss_fn; got {len(example_args)} argument(s)."
         )
+    _check_scalar_loss(loss_fn, example_args)
     preconditioner = Preconditioner(
         CurvatureOptions(
             estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
@@ -266,15 +282,6 @@ class _PreconditionerTransform(eqx.Module):
             )
         )()
 
-    def _func_args(self, params: Any, batch: Any, loss_args: Any) -> tuple[Any, ...]:
-        if params is None:
-            raise ValueError(
-                "kfac_preconditioner: update needs the current parameters: call "
-                "`update(grads, state, params, batch=..., key=...)`."
-            )
-        model = eqx.combine(eqx.filter(params, eqx.is_inexact_array), self.static_model)
-        return (model, *_loss_args(self.num_loss_args, batch, loss_args))
-
     def _key(self, key: PRNGKeyArray | None) -> PRNGKeyArray:
         mode = self.preconditioner.curvature.estimation_mode
         if key is None and not mode.endswith("_exact"):
@@ -288,19 +295,22 @@ class _PreconditionerTransform(eqx.Module):
     # periodic refreshes (`lax.while_loop`s) compiled again at every call.
     @compiled
     def update(
-        # `state` is checked by `_check_state` (a checkpoint restored without a template).
+        # `state` is checked by `check_restored` (a checkpoint restored without a template).
         self, updates: PyTree, state: Any, params: PyTree = None, *,
         batch: PyTree = None, key: PRNGKeyArray | None = None,
-        loss_args: tuple[Any, ...] | None = None, **extra_args: Any,
+        loss_args: tuple[Any, ...] | None = None, value: ArrayLike | None = None,
+        **extra_args: Any,
     ) -> tuple[PyTree, KFACPreconditionerState]:
         # Other transformations of a chain may take extra arguments of their own.
         del extra_args
-        _check_state(state)
-        func_args = self._func_args(params, batch, loss_args)
+        check_restored(state, KFACPreconditionerState, "kfac_preconditioner")
+        func_args = _func_args(self.static_model, self.num_loss_args, params, batch, loss_args)
         key = self._key(key)
         preconditioner, estimator = self.preconditioner, self.estimator
         grads = eqx.filter(updates, eqx.is_inexact_array)
         finite = all_finite(grads)
+        if value is not None:
+            finite &= jnp.isfinite(value)
         damping = self.damping(state.count) if callable(self.damping) else self.damping
         identity_weight = self.l2_reg + jnp.asarray(damping)
         estimator_state = preconditioner.update_curvature(
@@ -315,72 +325,6 @@ class _PreconditionerTransform(eqx.Module):
         return preconditioned, KFACPreconditionerState(optax.safe_increment(state.count), estimator_state)
 
 
-class SkipNonFiniteState(eqx.Module):
-    """The optax state of `skip_non_finite` (final).
-
-    **Fields:**
-
-    - `inner_state`: the wrapped transformation's state.
-    - `guard_state`: the count of skipped updates in a row.
-    - `total_skipped`: the number of skipped updates so far.
-    """
-
-    inner_state: PyTree
-    guard_state: GuardState
-    total_skipped: Int[Array, ""]
-
-
-def skip_non_finite(
-    inner: optax.GradientTransformation, max_consecutive_faults: int | None = 20
-) -> optax.GradientTransformationExtraArgs:
-    """Wraps an optax transformation so that a step with anything non-finite changes nothing.
-
-    Unlike `optax.apply_if_finite`, which only looks at the incoming gradient, the step is skipped
-    (zero updates, the inner state kept as it was) when the incoming gradient, the outgoing
-    updates, or the loss passed as `value=` (when given) are not finite: the outgoing updates see
-    what a K-FAC preconditioner made of them (a failed solve, a curvature estimate that
-    overflowed). After `max_consecutive_faults` skipped steps in a row the run stops with an
-    error that says what happened (at run time, inside `jit` too), instead of skipping for ever.
-    That error is a host callback, which JAX's persistent compilation cache does not store: to
-    have your jitted step stored, pass `max_consecutive_faults=None` and call
-    `eqx_kfac.check_consecutive_faults(state, n)` after each step instead (tracing the step with
-    the cache on and the check compiled in warns).
-
-    **Arguments:**
-
-    - `inner`: the transformation to guard (e.g. a chain with `kfac_preconditioner`).
-    - `max_consecutive_faults`: the number of skipped steps in a row that raises (`None`: not
-      checked in the program; see above).
-
-    **Returns:**
-
-    An `optax.GradientTransformationExtraArgs` whose state is a `SkipNonFiniteState`.
-    """
-    inner = optax.with_extra_args_support(inner)
-    guard = StepGuard(max_consecutive_faults=max_consecutive_faults)
-
-    def init_fn(params: PyTree) -> SkipNonFiniteState:
-        return SkipNonFiniteState(inner.init(params), guard.init(), jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-        value = extra_args.get("value")
-        decision = guard.decide(
-            jnp.zeros(()) if value is None else jnp.asarray(value), updates, new_updates, None
-        )
-        applied = decision.applied
-        new_updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.zeros_like(u)), new_updates)
-        new_inner = jax.tree.map(
-            lambda n, o: jnp.where(applied, n, o) if eqx.is_array(n) else n, new_inner, state.inner_state
-        )
-        return new_updates, SkipNonFiniteState(
-            new_inner, guard.checked(guard.update(state.guard_state, decision)),
-            state.total_skipped + (~applied).astype(jnp.int32),
-        )
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
 def kfac_optax(
     loss_fn: Callable[..., Any],
     example_args: Sequence[Any],
@@ -389,15 +333,16 @@ def kfac_optax(
     damping: float | ArrayLike | optax.Schedule = 0.1,
     norm_constraint: float | ArrayLike | None = 0.1,
     momentum: float | None = 0.9,
+    use_step_rejection: bool = False,
     max_consecutive_faults: int | None = 20,
+    max_consecutive_stalls: int | None = 50,
     **preconditioner_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC as a ready optax optimizer: the recipe that trains every model of the zoo as it is.
 
-    `skip_non_finite(optax.chain(kfac_preconditioner(loss_fn, example_args, damping=damping,
+    `optax.chain(kfac_preconditioner(loss_fn, example_args, damping=damping,
     norm_constraint=norm_constraint, ...), optax.trace(momentum), optax.scale_by_learning_rate(
-    learning_rate)))`: a step whose gradient or update is not finite (a NaN batch, a curvature
-    estimate that overflowed) leaves parameters and state unchanged.
+    learning_rate))`, guarded by the same `StepGuard` as `Optimizer` (see **Faults** below).
 
     The defaults (learning rate 0.1, damping 0.1, norm constraint 0.1, momentum 0.9) train the
     models of the "Model gallery" page (CNN, ResNet with BatchNorm, transformer, GRU, LSTM, scan
@@ -414,11 +359,36 @@ def kfac_optax(
     ```python
     optimizer = eqx_kfac.kfac_optax(loss, (model, batch))
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    grads = eqx.filter_grad(loss)(model, batch)
+    value, grads = eqx.filter_value_and_grad(loss)(model, batch)
     params = eqx.filter(model, eqx.is_inexact_array)
-    updates, opt_state = optimizer.update(grads, opt_state, params, batch=batch, key=key)
+    updates, opt_state = optimizer.update(grads, opt_state, params, batch=batch, key=key,
+                                          value=value)
     model = eqx.apply_updates(model, updates)
     ```
+
+    **Faults** (the "Faults and safeguards" table of the Optimizer page shows both paths):
+
+    - A step whose loss, gradient or update is not finite (a NaN batch, a label outside the
+      classes, an empty batch, a curvature estimate that overflowed) is skipped: its updates are
+      zero. With a loss or gradient that is not finite the whole state stays as it was; with an
+      update that is not finite the momentum stays and the rest (counters, curvature statistics)
+      moves on, as in `Optimizer`. The loss is `value=` when given (optax's convention), else
+      `loss_fn` evaluated on the batch: a forward pass of its own called outside `jit`; inside
+      one `jit` with your gradient XLA merges the two (a 64-256-256-10 MLP's step had the same
+      FLOP count with and without `value=`).
+    - With `use_step_rejection=True` a step whose loss on the same batch rises after the update
+      (by more than rounding, `StepGuard.rounding_tolerance`) or is not finite there is rejected:
+      zero updates, the momentum kept, the rest moves on, so that e.g. a learning-rate schedule
+      moves past a value far too large. It costs one more evaluation of the loss per step. Off
+      (the default), such a finite update is applied as it is.
+    - The counts are in the state's `guard_state` (`total_skipped`, `total_rejected`,
+      `consecutive_faults`, `fault_start`, `consecutive_stalls`). After
+      `max_consecutive_faults` skipped or rejected steps in a row, or `max_consecutive_stalls`
+      applied steps in a row whose update is below the parameters' resolution (e.g. a loss
+      scaled by 1e-12), the update raises an error that names the first faulty step or the
+      cause: in Python after the update's compiled program when called outside `jit`, through a
+      host callback inside your `jit` (see `skip_non_finite` for the persistent compilation
+      cache).
 
     **Arguments:**
 
@@ -426,14 +396,17 @@ def kfac_optax(
     - `learning_rate`: a number or an optax schedule.
     - `damping`, `norm_constraint`: passed to `kfac_preconditioner` (see there).
     - `momentum`: the decay of `optax.trace`, or `None` for none.
-    - `max_consecutive_faults`: see `skip_non_finite`.
+    - `use_step_rejection`: reject a step that raises the loss on its batch (see above).
+    - `max_consecutive_faults`, `max_consecutive_stalls`: see above and `skip_non_finite`.
     - `**preconditioner_kwargs`: the other keywords of `kfac_preconditioner` (e.g.
       `inverse_update_period`, `estimation_mode`, `l2_reg`).
 
     **Returns:**
 
-    An `optax.GradientTransformationExtraArgs`.
+    An `optax.GradientTransformationExtraArgs` whose `update` takes the arguments of
+    `kfac_preconditioner`'s (and `value=`); its state is a `SkipNonFiniteState`.
     """
+    example_args = tuple(example_args)
     chain = optax.chain(
         kfac_preconditioner(
             loss_fn, example_args, damping=damping, norm_constraint=norm_constraint,
@@ -442,7 +415,20 @@ def kfac_optax(
         *([] if momentum is None else [optax.trace(momentum)]),
         optax.scale_by_learning_rate(learning_rate),
     )
-    guarded = skip_non_finite(chain, max_consecutive_faults)
+    static_model = eqx.filter(example_args[0], eqx.is_inexact_array, inverse=True)
+
+    def loss(params: Any, extra_args: dict[str, Any]) -> Any:
+        batch, loss_args = extra_args.get("batch"), extra_args.get("loss_args")
+        return _loss_of(loss_fn(*_func_args(static_model, len(example_args) - 1, params, batch, loss_args)))
+
+    guard = StepGuard(
+        reject_loss_increase=use_step_rejection, max_consecutive_faults=max_consecutive_faults,
+        max_consecutive_stalls=max_consecutive_stalls,
+    )
+    guarded = GuardedTransform(
+        optax.with_extra_args_support(chain), guard, loss,
+        None if momentum is None else (lambda inner: inner[1]), advance_on_fault=True,
+    )
     # One compiled program builds the whole chain's state (see `_PreconditionerTransform.init`),
-    # and, called eagerly, one takes the whole update (see `_PreconditionerTransform.update`).
-    return guarded._replace(init=eqx.filter_jit(guarded.init), update=compiled(guarded.update))
+    # and, called eagerly, one takes the whole update (`GuardedTransform.update`).
+    return optax.GradientTransformationExtraArgs(eqx.filter_jit(guarded.init), guarded.update)

@@ -155,6 +155,7 @@ class Optimizer(AbstractOptimizer):
         max_predicted_decrease: float | None = 0.5,
         max_statistics_growth: float | ArrayLike | None = 1e3,
         max_consecutive_faults: int | None = 20,
+        max_consecutive_stalls: int | None = 50,
         curvature_update_period: int = 1,
         value_func: Callable[..., Any] | None = None,
         value_func_for_estimator: Callable[..., Any] | None = None,
@@ -196,7 +197,8 @@ class Optimizer(AbstractOptimizer):
           `raise_damping_at_once`: raise it on any step whose `ρ` collapses),
           `damping_schedule`, or passed to `step`.
         - The guard: `skip_non_finite`, `use_step_rejection` (default: on with adaptive damping),
-          `max_consecutive_faults`.
+          `max_consecutive_faults`, `max_consecutive_stalls` (stop after this many applied steps
+          in a row whose update is below the parameters' resolution; `None`: never).
         - `use_initial_damping_calibration`: before the first step (called outside `jit`), repeat
           its damping adaptation on its batch until the damping stops changing (kfac-jax's
           option; needs adaptive damping).
@@ -402,6 +404,7 @@ class Optimizer(AbstractOptimizer):
         `value_func_has_state`. `stats` has `loss`, `learning_rate`, `momentum`, `damping`, `rho`,
         `new_loss`, `quad_model_change`, `step`, `data_seen`, `batch_size`, `skipped` (not applied:
         a loss, gradient or update that is not finite), `rejected` (not applied: the loss rose),
+        `stalled` (applied, but below the parameters' resolution),
         `curvature_update_dropped` (the batch's statistics were not finite), `aux` when the
         function has auxiliary outputs, and norms when requested.
         """

@@ -161,7 +161,7 @@ def step_body(
     candidate = _apply(params, proposal.delta)
     with jax.named_scope("eqx_kfac.guard"):
         new_loss = context.loss_at(candidate) if guard.reject_loss_increase else None
-        decision = guard.decide(context.loss, context.grads, proposal.delta, new_loss)
+        decision = guard.decide(context.loss, context.grads, proposal.delta, new_loss, params)
     outcome = StepOutcome(
         proposal.delta, candidate, proposal.coefficients.quad_change, new_loss, decision.applied,
         ~decision.applied,
@@ -190,6 +190,7 @@ def step_body(
         loss=context.loss, new_loss=report.new_loss, learning_rate=proposal.coefficients.learning_rate,
         momentum=proposal.coefficients.momentum, damping=damping, rho=report.rho,
         quad_model_change=report.quad_change, skipped=decision.skipped, rejected=decision.rejected,
+        stalled=decision.stalled,
         curvature_update_dropped=estimator_state.dropped_updates > state.estimator_state.dropped_updates,
         **direction.stats, **({} if aux is None else {"aux": aux}),
         **_norms(optimizer, new_params, context.grads, direction.direction, proposal.delta),
