@@ -27,13 +27,15 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
 import numpy as np
 
 from .._core import distributed as _distributed
 from .._core.compiled import for_compile_time
 from .._core.tree import any_traced
 from .abstract_optimizer import AbstractOptimizer
-from .optimizer_state import OptimizerState
+from .arguments import tree_difference
+from .optimizer_state import new_state, OptimizerState
 from .optimizer_step import burnin_update, step_body
 
 
@@ -109,17 +111,76 @@ def initial_state(
     return eqx.filter_jit(lambda *a: _distributed.lay_out(build(*a), mesh, _is_state))(*args)
 
 
+# --- the state's check, when a step is traced ------------------------------------------------
+
+# The parts of the state, and the options that shape each.
+_STATE_PARTS = {
+    "estimator_state": "curvature blocks or their caches (use_exact_inverses, inverse_solver, "
+                       "layer_tag_to_block_ctor / index_to_block_ctor, the refresh schedule)",
+    "step_rule_state": "step rules (the momentum, adaptive learning rate or momentum, step_rule=)",
+    "damping_state": "damping rules (use_adaptive_damping, damping_rule=)",
+    "guard_state": "step guards (guard=)",
+}
+
+
+def _structure_and_shapes(tree: Any) -> tuple[Any, list[tuple[int, ...]]]:
+    return jax.tree.structure(tree), [np.shape(x) for x in jax.tree.leaves(tree)]
+
+
+def check_state(
+    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, rng: Any, batch: Any, func_state: Any
+) -> None:
+    """Raises `ValueError` unless `state` has the structure and shapes of the state `optimizer.init`
+    makes for these arguments (a state made by an optimizer of another configuration). Run
+    where the step or the burn-in is traced: a state of another structure is traced anew.
+
+    **Arguments:**
+
+    - `optimizer`: the `Optimizer`.
+    - `params`, `state`, `rng`, `batch`, `func_state`: the step's arguments (as the step's body
+      sees them).
+    """
+    func_args = optimizer.function.args(params, func_state, rng, optimizer.function.process(batch))
+    estimator, _ = optimizer.estimators(func_args)
+    filtered = eqx.filter(params, eqx.is_inexact_array)
+    expected = eqx.filter_eval_shape(
+        new_state, optimizer, estimator, filtered, rng, state.batch_signature, state.params_signature
+    )
+    if _structure_and_shapes(state) == _structure_and_shapes(expected):
+        return
+    difference = tree_difference(state, expected, dtypes=False)
+    if difference is not None:
+        path, here, there = difference
+        part = _STATE_PARTS.get(path.split(".")[0], "states")
+        raise ValueError(
+            "The state passed to step was made by an optimizer of another configuration (the two "
+            f"optimizers' {part} differ): `{path}` is {here} in it, {there} in this optimizer's state. Call "
+            "this optimizer's `init` for its state, or step with the optimizer that made it (load "
+            "a saved state with `optimizer.load_state`)."
+        )
+
+
+def _checked_step_body(optimizer, params, state, rng, batch, func_state, *rest):
+    check_state(optimizer, params, state, rng, batch, func_state)
+    return step_body(optimizer, params, state, rng, batch, func_state, *rest)
+
+
+def _checked_burnin_update(optimizer, params, state, rng, batch, func_state, index):
+    check_state(optimizer, params, state, rng, batch, func_state)
+    return burnin_update(optimizer, params, state, rng, batch, func_state, index)
+
+
 # --- the compiled step ----------------------------------------------------------------------
 
 
 def _jitted_step(optimizer, args, burnin_in_graph, calibrating):
-    return _maybe_sharded(optimizer, step_body, *args, burnin_in_graph, calibrating)
+    return _maybe_sharded(optimizer, _checked_step_body, *args, burnin_in_graph, calibrating)
 
 
 def _jitted_donating_step(kept, donated, optimizer, burnin_in_graph):
     # `filter_jit` donates every array argument but the first: the kept arguments travel there.
     args = tuple(d if k is None else k for k, d in zip(kept, donated))
-    return _maybe_sharded(optimizer, step_body, *args, burnin_in_graph)
+    return _maybe_sharded(optimizer, _checked_step_body, *args, burnin_in_graph)
 
 
 def _step_program(
@@ -200,7 +261,7 @@ class _Background:
 
 
 def _jitted_burnin(optimizer, params, state, rng, batch, func_state, index):
-    return _maybe_sharded(optimizer, burnin_update, params, state, rng, batch, func_state, index)
+    return _maybe_sharded(optimizer, _checked_burnin_update, params, state, rng, batch, func_state, index)
 
 
 # A burn-in of at most this many updates compiles its update `for_compile_time`. Its kernels then

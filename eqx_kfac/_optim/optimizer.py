@@ -18,8 +18,11 @@ programs of their own before the step, see `_step_from_iterator`), so `step` giv
 called directly or inside a user's `jit`.
 """
 
+import functools
+import io
 import itertools
 import math
+import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -35,14 +38,17 @@ from .._core.control_flow import select_changed
 from .._core.tree import signature
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
 from .abstract_optimizer import AbstractOptimizer
-from .arguments import check_batch, check_func_state, check_params, check_scalar_loss, params_signature
+from .arguments import (
+    check_batch, check_func_state, check_not_deleted, check_params, check_scalar_loss, next_batch,
+    params_signature,
+)
 from .compilation import compiled_step, compiling_step_meanwhile, initial_state, jitted_burnin
 from .damping import AbstractDampingRule
 from .direction import AbstractDirection
 from .guard import StepGuard
 from .hyperparameters import Schedule
 from .kfac_jax_keywords import KEYWORDS, parts_from_keywords
-from .optimizer_state import ExampleCount, OptimizerState
+from .optimizer_state import load_state, new_state, OptimizerState
 from .preconditioner import CurvatureOptions, Preconditioner
 from .refresh import AbstractRefreshSchedule
 from .step_context import GivenValues
@@ -336,34 +342,49 @@ class Optimizer(AbstractOptimizer):
         if not self.multi_device:
             # (Under `multi_device` the loss may use collectives, which need the step's map.)
             self.preconditioner.check_loss(self.function.loss_of, func_args, estimator)
-        filtered = eqx.filter(params, eqx.is_inexact_array)
-        dtype = jnp.result_type(*jax.tree.leaves(filtered), jnp.float32)
+        build = functools.partial(
+            new_state, self, estimator, batch_signature=signature(batch), params_signature=params_signature(params)
+        )
+        return initial_state(self, build, eqx.filter(params, eqx.is_inexact_array), rng)
 
-        def build(filtered: PyTree, rng: PRNGKeyArray) -> OptimizerState:
-            return OptimizerState(
-                step_rule_state=self.step_rule.init(filtered),
-                damping_state=self.damping_rule.init(dtype),
-                guard_state=self.guard.init(),
-                estimator_state=self.preconditioner.init(estimator, rng),
-                examples_seen=ExampleCount.zero(),
-                step_counter=jnp.zeros((), jnp.int32),
-                batch_signature=signature(batch),
-                params_signature=params_signature(params),
-            )
+    def load_state(
+        self, path_or_file: str | pathlib.Path | io.IOBase, params: PyTree, rng: PRNGKeyArray,
+        batch: PyTree, func_state: PyTree = None,
+    ) -> OptimizerState:
+        """Loads a state saved with `eqx.tree_serialise_leaves(path_or_file, state)`.
 
-        return initial_state(self, build, filtered, rng)
+        `eqx.tree_deserialise_leaves(path_or_file, optimizer.init(params, rng, batch))`, but a
+        file saved by an optimizer of another configuration (other blocks, cached powers, step
+        or damping rule), or for other parameters or batch, raises `ValueError` naming the first
+        leaf of the state that does not fit (Equinox's error names a leaf of another part of the
+        state, or none).
 
-    def _check_step_arguments(self, params: Any, state: Any, func_state: Any, given: GivenValues) -> None:
+        **Arguments:**
+
+        - `path_or_file`: the file (or its path) the state was saved to.
+        - `params`, `rng`, `batch`, `func_state`: as for `init`, which builds the template.
+
+        **Returns:**
+
+        The loaded `Optimizer.State`.
+        """
+        return load_state(path_or_file, self.init(params, rng, batch, func_state))
+
+    def _check_step_arguments(
+        self, params: Any, state: Any, rng: Any, batch: Any, func_state: Any, given: GivenValues
+    ) -> None:
         if not isinstance(state, OptimizerState):
             raise TypeError(
                 f"state must be an Optimizer.State (from init), got {type(state).__name__}. A "
-                "checkpoint restored without a template comes back as plain containers: restore "
-                "it into `optimizer.init(...)`'s state (eqx.tree_deserialise_leaves(path, state))."
+                "checkpoint restored without a template comes back as plain containers: load it "
+                "with `optimizer.load_state(path, params, rng, batch)`."
             )
         self.step_rule.check(given)
         self.damping_rule.check(given)
         check_func_state(self.function.has_state, func_state)
         check_params(state.params_signature, params)
+        if not isinstance(state.step_counter, jax.core.Tracer):
+            check_not_deleted((params, state, rng, batch, func_state), self.donated)
 
     def step(
         self,
@@ -418,7 +439,7 @@ class Optimizer(AbstractOptimizer):
                 "`optimizer.step(params, state, rng, batch=batch)`."
             )
         given = GivenValues(*(None if v is None else jnp.asarray(v) for v in (learning_rate, momentum, damping)))
-        self._check_step_arguments(params, state, func_state, given)
+        self._check_step_arguments(params, state, rng, batch, func_state, given)
         traced = isinstance(state.step_counter, jax.core.Tracer)
         if data_iterator is None:
             check_batch(state.batch_signature, batch, "batch")
@@ -492,7 +513,7 @@ class Optimizer(AbstractOptimizer):
         compiling = None
         if step_int == 0 and burnin > 0:
             for i in range(burnin):
-                burnin_batch = next(data_iterator)
+                burnin_batch = next_batch(data_iterator, i, burnin)
                 if not batches_checked:
                     check_batch(state.batch_signature, burnin_batch, f"burn-in batch #{i}")
                 if compiling is None and not isinstance(state.step_counter, jax.core.Tracer):
@@ -501,7 +522,7 @@ class Optimizer(AbstractOptimizer):
                     structure = (params, state, rng, burnin_batch, func_state, given)
                     compiling = compiling_step_meanwhile(self, structure)
                 state = jitted_burnin(self, params, state, rng, burnin_batch, func_state, i)
-        batch = next(data_iterator)
+        batch = next_batch(data_iterator, burnin, burnin if step_int == 0 else 0)
         if not batches_checked:
             check_batch(state.batch_signature, batch, "batch from data_iterator")
         args = self._calibrated((params, state, rng, batch, func_state, given), False, step_int)

@@ -1,13 +1,18 @@
 """The state of `Optimizer`: each part's own state, the estimator's, and the counters."""
 
+import functools
+import io
+import pathlib
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Float, Int, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._curvature.estimators import EstimatorState
+from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState
+from .abstract_optimizer import AbstractOptimizer
 from .guard import GuardState
 
 _LOW_WORD = 2**30
@@ -91,3 +96,102 @@ class OptimizerState(eqx.Module):
     def data_seen(self) -> Float[Array, ""]:
         """The number of examples processed, as a float (see `ExampleCount`)."""
         return self.examples_seen.value
+
+
+def new_state(
+    optimizer: AbstractOptimizer, estimator: BlockDiagonalCurvature, filtered: PyTree, rng: PRNGKeyArray,
+    batch_signature: Any, params_signature: Any,
+) -> OptimizerState:
+    """The state `optimizer.init` makes (uncompiled).
+
+    **Arguments:**
+
+    - `optimizer`: the optimizer.
+    - `estimator`: its curvature estimator for the `init` arguments.
+    - `filtered`: the trained parameters (`eqx.filter(params, eqx.is_inexact_array)`).
+    - `rng`: the blocks' PRNG key.
+    - `batch_signature`, `params_signature`: the state's static fields.
+
+    **Returns:**
+
+    The initial state.
+    """
+    dtype = jnp.result_type(*jax.tree.leaves(filtered), jnp.float32)
+    return OptimizerState(
+        step_rule_state=optimizer.step_rule.init(filtered),
+        damping_state=optimizer.damping_rule.init(dtype),
+        guard_state=optimizer.guard.init(),
+        estimator_state=optimizer.preconditioner.init(estimator, rng),
+        examples_seen=ExampleCount.zero(),
+        step_counter=jnp.zeros((), jnp.int32),
+        batch_signature=batch_signature,
+        params_signature=params_signature,
+    )
+
+
+# What differs when a state does not fit an optimizer, for its messages.
+OTHER_CONFIGURATION = (
+    "an optimizer of another configuration (e.g. use_exact_inverses, the blocks chosen by "
+    "layer_tag_to_block_ctor / index_to_block_ctor, the momentum, damping or step rule options) "
+    "or for other parameters or batch"
+)
+
+
+class _Mismatch(ValueError):
+    """A saved state that does not fit the template (Equinox wraps it in its `TreePathError`)."""
+
+
+def _shape_and_dtype(x: Any) -> str:
+    return f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}"
+
+
+def _load_leaf(path: str, last: bool, f: io.IOBase, like: Any) -> Any:
+    """Equinox's deserialisation of one leaf, refused where the saved leaf does not fit `like`."""
+    try:
+        value = eqx.default_deserialise_filter_spec(f, like)
+    except (EOFError, ValueError, OSError) as error:
+        raise _Mismatch(
+            f"Cannot load the optimizer state: the file ends, or holds something else, where "
+            f"`{path}` should be ({error}). It was saved by {OTHER_CONFIGURATION}."
+        ) from None
+    if _shape_and_dtype(value) != _shape_and_dtype(like):
+        raise _Mismatch(
+            f"Cannot load the optimizer state: `{path}` is {_shape_and_dtype(value)} in the file but "
+            f"{_shape_and_dtype(like)} in this optimizer's state. It was saved by "
+            f"{OTHER_CONFIGURATION}: load it with an optimizer built as the one that saved it, or "
+            "start from this optimizer's `init`."
+        )
+    if last and f.read(1):
+        raise _Mismatch(
+            "Cannot load the optimizer state: the file holds more arrays than this optimizer's "
+            f"state. It was saved by {OTHER_CONFIGURATION}."
+        )
+    return value
+
+
+def load_state(path_or_file: str | pathlib.Path | io.IOBase, template: OptimizerState) -> OptimizerState:
+    """`eqx.tree_deserialise_leaves(path_or_file, template)`, refused with a `ValueError` that
+    names the first leaf whose saved array does not fit (or a file with more arrays).
+
+    **Arguments:**
+
+    - `path_or_file`: what `eqx.tree_serialise_leaves` wrote the state to.
+    - `template`: this optimizer's state (from `init`).
+
+    **Returns:**
+
+    The loaded state.
+    """
+    paths = [jax.tree_util.keystr(p).lstrip(".") for p, _ in jax.tree_util.tree_leaves_with_path(template)]
+    specs = [functools.partial(_load_leaf, path, i == len(paths) - 1) for i, path in enumerate(paths)]
+    try:
+        return eqx.tree_deserialise_leaves(
+            path_or_file, template, filter_spec=jax.tree.unflatten(jax.tree.structure(template), specs)
+        )
+    except RuntimeError as error:
+        cause = error
+        while cause is not None and not isinstance(cause, _Mismatch):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise ValueError(*cause.args) from None
