@@ -11,7 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import models
 from models import mlp_classification
+
+import eqx_kfac
 
 from eqx_kfac import DenseFull
 from eqx_kfac import Optimizer
@@ -351,3 +354,42 @@ def test_one_adaptive_coefficient_minimises_the_exact_quadratic_model(adaptive, 
     if adaptive == "momentum":
         # This problem's unbounded momentum lies above the bound: the bounds are active here.
         assert (value == upper) == bounded
+
+
+def test_state_for_batch_keeps_the_statistics_for_a_smaller_batch():
+    """An epoch's smaller last batch: `step` refuses it with a message naming `state_for_batch`;
+    through it the state keeps its statistics, and the step on the small batch is the K-FAC step
+    built from the estimator's own API on that batch (an independent composition)."""
+    problem = models.mlp_classification(jax.random.key(0), sizes=(3, 5, 3), batch=8)
+    x, y = problem.batch
+    small = (x[:5], y[:5])
+    damping, ema = 0.1, 0.9
+    opt = eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(problem.loss_fn), l2_reg=0.0, num_burnin_steps=0,
+        estimation_mode="ggn_exact", curvature_ema=ema, inverse_update_period=1,
+        use_exact_inverses=True,
+    )
+    given = dict(learning_rate=1.0, momentum=0.0, damping=damping)
+    params, state, _ = opt.step(problem.params, opt.init(problem.params, jax.random.key(1), problem.batch),
+                                jax.random.key(2), batch=problem.batch, **given)
+    with pytest.raises(ValueError, match="state_for_batch"):
+        opt.step(params, state, jax.random.key(3), batch=small, **given)
+    with pytest.raises(ValueError, match="Only the shapes may change"):
+        opt.state_for_batch(state, (x[:5].astype(jnp.float32), y[:5]))
+    resized = opt.state_for_batch(state, small)
+    for a, b in zip(jax.tree.leaves(resized), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    new_params, new_state, stats = opt.step(params, resized, jax.random.key(3), batch=small, **given)
+
+    estimator = eqx_kfac.BlockDiagonalCurvature(problem.loss_fn, (params, small),
+                                                default_estimation_mode="ggn_exact")
+    reference = estimator.update_curvature_matrix_estimate(
+        state.estimator_state, ema, 1.0, 5, jax.random.key(3), (params, small)
+    )
+    grads = eqx.filter_grad(problem.loss_fn)(params, small)
+    dense = np.asarray(estimator.to_dense_matrix(reference))
+    g = np.asarray(models.flat_params(grads)[0])
+    expected = -np.linalg.solve(dense + damping * np.eye(len(g)), g)
+    got = np.asarray(models.flat_params(new_params)[0] - models.flat_params(params)[0])
+    np.testing.assert_allclose(got, expected, rtol=1e-8, atol=1e-12)
+    assert int(new_state.step_counter) == 2 and float(stats["batch_size"]) == 5

@@ -25,14 +25,24 @@ def _difference(got: Any, expected: Any) -> str:
     return f"got ({describe_signature(got)}), expected ({describe_signature(expected)})"
 
 
-def check_batch(expected: Any, batch: PyTree, where: str) -> None:
-    """Raises `ValueError` unless `batch` has the signature `expected` (of the `init` batch)."""
+def _without_shapes(sig: Any) -> Any:
+    return (sig[0], tuple(dtype for _, dtype in sig[1]))
+
+
+def check_batch(expected: Any, batch: PyTree, where: str, shapes: bool = True) -> None:
+    """Raises `ValueError` unless `batch` has the signature `expected` (of the `init` batch; with
+    `shapes=False`, its structure and dtypes only)."""
     got = signature(batch)
-    if got != expected:
+    if (got != expected) if shapes else (_without_shapes(got) != _without_shapes(expected)):
+        fix = (
+            "K-FAC's state was made for the shapes of init's batch: pass it through "
+            "`state = optimizer.state_for_batch(state, batch)` to take batches of these shapes "
+            "(its statistics kept; the step compiles again for each new shape), or pad/drop the "
+            "last incomplete batch." if shapes else "Only the shapes may change."
+        )
         raise ValueError(
             f"The {where} does not have the structure/shapes/dtypes of the batch given to init: "
-            f"{_difference(got, expected)}. K-FAC's state was built for the init batch's shapes; "
-            "call init with a batch of the new shapes (or pad/drop the last incomplete batch)."
+            f"{_difference(got, expected)}. {fix}"
         )
 
 

@@ -18,6 +18,7 @@ programs of their own before the step, see `_step_from_iterator`), so `step` giv
 called directly or inside a user's `jit`.
 """
 
+import dataclasses
 import functools
 import io
 import itertools
@@ -369,6 +370,26 @@ class Optimizer(AbstractOptimizer):
         The loaded `Optimizer.State`.
         """
         return load_state(path_or_file, self.init(params, rng, batch, func_state))
+
+    def state_for_batch(self, state: OptimizerState, batch: PyTree) -> OptimizerState:
+        """`state`, made to accept batches shaped like `batch` in `step` (e.g. an epoch's smaller
+        last batch, or another sequence length), with everything it holds kept: statistics,
+        cached inverses, damping, velocity and counters. (`init` with the new batch would
+        restart them.) Each new batch shape compiles the step once more, as long as the first
+        step's compilation, so keep the shapes few: drop or pad the last batch, or bucket
+        sequence lengths.
+
+        **Arguments:**
+
+        - `state`: the optimizer state.
+        - `batch`: a batch of the new shapes, with the structure and dtypes of `init`'s batch.
+
+        **Returns:**
+
+        The state, whose `step` takes batches of `batch`'s shapes (and no longer the old ones).
+        """
+        check_batch(state.batch_signature, batch, "batch given to state_for_batch", shapes=False)
+        return dataclasses.replace(state, batch_signature=signature(batch))
 
     def _check_step_arguments(
         self, params: Any, state: Any, rng: Any, batch: Any, func_state: Any, given: GivenValues
