@@ -132,11 +132,14 @@ def test_non_finite_step_changes_nothing():
     params_b, state_b, stats_b = OPT.step(PROBLEM.params, state0, jax.random.key(0), batch=bad)
     assert bool(stats_b["skipped"])
     _assert_trees_equal((params_b, _without_guard(state_b)), (PROBLEM.params, _without_guard(state0)))
-    # The next good step proceeds as if the bad one had not happened.
+    # The next good step proceeds as if the bad one had not happened, but for the guard's counts.
     after = OPT.step(params2, state2, jax.random.key(1), batch=BATCH)
     expected = OPT.step(params1, state1, jax.random.key(1), batch=BATCH)
-    _assert_trees_equal(after, expected)
+    _assert_trees_equal((after[0], _without_guard(after[1]), after[2]),
+                        (expected[0], _without_guard(expected[1]), expected[2]))
     assert not bool(after[2]["skipped"])
+    guard = after[1].guard_state
+    assert (int(guard.steps), int(guard.total_skipped), int(guard.consecutive_faults)) == (3, 1, 0)
 
 
 def test_without_skipping_non_finite_values_propagate():
