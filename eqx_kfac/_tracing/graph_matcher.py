@@ -57,11 +57,8 @@ import jax.numpy as jnp
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 
 from .derivative_rules import registers_inside_rules, through_derivative_rules
-from .graph_patterns import (
-    DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS,
-    default_parameters,
-    GraphPattern as GraphPattern,
-)
+from .graph_patterns import default_parameters, GraphPattern as GraphPattern
+from .graph_patterns_flax import DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS
 from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, scan_consts_and_carry, subjaxprs
 from .liveness import inner_jaxpr, LiveTable, liveness
 from .pattern_matching import JaxprGraph, PatternMatcher, pattern_graphs, is_transparent
@@ -114,6 +111,8 @@ def _from_tag_layout(x: Any, feature_major: bool) -> Any:
 
 def _fits_tag(pattern: GraphPattern, meta: dict[str, Any], ys: list[Var], xs: list[Var], ps: list[Var]) -> bool:
     validator = _VALIDATORS.get(pattern.tag)
+    if pattern.bind_tags is not None:
+        validator = lambda m, ys, xs, ps: pattern.bind_tags(ys, xs, ps, m, "validation")  # noqa: E731
     if validator is None:
         return True
     inputs_major, outputs_major = pattern.feature_major
@@ -330,7 +329,9 @@ class _TagBinder(JaxprHook):
         inputs_major, outputs_major = match.pattern.feature_major
         ys = [_to_tag_layout(outs[i], outputs_major) for i in match.out_positions]
         xs = match.pattern.tag_inputs([_to_tag_layout(x, inputs_major) for x in match.inputs], ys)
-        if match.pattern.tag is dense_tag:
+        if match.pattern.bind_tags is not None:
+            tagged = match.pattern.bind_tags(ys, xs, match.params, match.meta, match.pattern.name)
+        elif match.pattern.tag is dense_tag:
             tagged = [_bind_dense(match.meta, ys, xs, match.params, match.pattern.name)]
         else:
             tagged = match.pattern.tag.bind(*ys, *xs, *match.params, **match.meta, origin=match.pattern.name)

@@ -104,6 +104,10 @@ class GraphPattern(eqx.Module):
       output and `sigma` have the orbitals; the tag's input must be what multiplies the scale
       elementwise. The default scale-and-shift patterns set it (as kfac-jax's
       `scale_and_shift_broadcast` patterns do).
+    - `bind_tags`: `f(outputs, inputs, params, meta, origin) -> outputs`, binding the tags of a
+      match itself (several tags, e.g. one dense tag per piece of a concatenated weight), with
+      the values (tag layout) and the extractor's `meta`; it is also run on shapes to validate a
+      match (a `ValueError` or `TypeError` rejects it). `None` (the default) binds `tag` once.
 
     Example sizes should be distinctive (e.g. 19, 23, not 1 or 2): integer literals and sizes in
     the pattern that equal a dimension of an example parameter are matched up to the target's
@@ -122,6 +126,7 @@ class GraphPattern(eqx.Module):
     tag_inputs_func: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = eqx.field(static=True, default=None)
     broadcast_inputs: bool = eqx.field(static=True, default=False)
     list_params: bool = eqx.field(static=True, default=False)
+    bind_tags: Callable[..., list[Any]] | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -134,6 +139,7 @@ class GraphPattern(eqx.Module):
         feature_major: tuple[bool, bool] = (False, False),
         tag_inputs_func: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None,
         broadcast_inputs: bool = False,
+        bind_tags: Callable[..., list[Any]] | None = None,
         *,
         tag_primitive: Any = None,
         in_values_preprocessor: Any = None,
@@ -156,6 +162,7 @@ class GraphPattern(eqx.Module):
         self.tag_inputs_func = tag_inputs_func
         self.broadcast_inputs = bool(broadcast_inputs)
         self.list_params = all(isinstance(params, list) for _, params in example_args)
+        self.bind_tags = bind_tags
 
     def tag_inputs(self, inputs: Sequence[Any], outputs: Sequence[Any] = ()) -> tuple[Any, ...]:
         """The tag's inputs from the matched inputs (see `tag_inputs_func` and
@@ -586,5 +593,6 @@ def _make_default_patterns() -> tuple[GraphPattern, ...]:
     return tuple(patterns)
 
 
-DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _make_default_patterns()
-"""The patterns `auto_register_tags` uses by default (see the module docstring of `_graph_matcher`)."""
+CORE_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _make_default_patterns()
+"""The dense, conv2d, scale-and-shift and `eqx.nn.Embedding` patterns; `graph_patterns_flax.py`
+adds Flax's and Haiku's lookups and concatenated gates for `DEFAULT_GRAPH_PATTERNS`."""

@@ -224,6 +224,8 @@ _COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min"})
 
 
 def _same_param(a: Any, b: Any) -> bool:
+    if a is b:  # e.g. a gather's `fill_value` np.nan, which equals nothing
+        return True
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 -- arrays and other values without a boolean equality
