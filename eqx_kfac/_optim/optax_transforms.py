@@ -253,7 +253,9 @@ def kfac_preconditioner(
         ),
         PreconditionedGradient(use_exact_inverses, norm_constraint),
     )
-    estimator = preconditioner.estimator(loss_fn, example_args, "eqx_kfac.kfac_preconditioner")
+    estimator = preconditioner.estimator(
+        loss_fn, example_args, "eqx_kfac.kfac_preconditioner", report=True
+    )
     preconditioner.check_loss(_loss_of, example_args, estimator)
     transform = _PreconditionerTransform(
         preconditioner, estimator, eqx.filter(example_args[0], eqx.is_inexact_array, inverse=True),

@@ -290,17 +290,19 @@ class Optimizer(AbstractOptimizer):
         return self.preconditioner.direction
 
     def estimators(
-        self, func_args: Sequence[Any]
+        self, func_args: Sequence[Any], report: bool = False
     ) -> tuple[BlockDiagonalCurvature, ImplicitExactCurvature]:
         """The curvature estimators for function arguments of this structure and these shapes.
 
-        Built (tracing the loss once, and logging the registration report at INFO level on the
-        `"eqx_kfac"` logger) on first use, and cached afterwards for every optimizer with the same
-        loss and curvature options (outside the optimizer, which holds no mutable state).
+        Built (tracing the loss once, logging the registration report at INFO level on the
+        `"eqx_kfac"` logger and reporting fallbacks as `on_unmatched` says) on first use, and
+        cached afterwards for every optimizer with the same loss and curvature options (outside
+        the optimizer, which holds no mutable state).
 
         **Arguments:**
 
         - `func_args`: the arguments of the value function, `(params, [func_state], [rng], batch)`.
+        - `report`: report for a cached estimator too, as `init` does (every optimizer reports).
 
         **Returns:**
 
@@ -308,7 +310,7 @@ class Optimizer(AbstractOptimizer):
         quadratic model.
         """
         block_diagonal = self.preconditioner.estimator(
-            self.function.for_estimator, func_args, "eqx_kfac.Optimizer"
+            self.function.for_estimator, func_args, "eqx_kfac.Optimizer", report
         )
         implicit = ImplicitExactCurvature(
             self.function.value, params_index=0,
@@ -339,7 +341,7 @@ class Optimizer(AbstractOptimizer):
         check_func_state(self.function.has_state, func_state)
         func_args = self.function.args(params, func_state, rng, self.function.process(batch))
         check_scalar_loss(self.function.value, self.function.loss_of, func_args)
-        estimator, _ = self.estimators(func_args)
+        estimator, _ = self.estimators(func_args, report=True)
         if not self.multi_device:
             # (Under `multi_device` the loss may use collectives, which need the step's map.)
             self.preconditioner.check_loss(self.function.loss_of, func_args, estimator)

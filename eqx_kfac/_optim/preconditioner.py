@@ -24,7 +24,7 @@ from .._curvature.blocks._solver_cache import check_solver_choice, SolverChoice
 from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState
 from .._curvature.estimators.base import batch_size_of
 from .._curvature.estimators.distributed import distributed_update_cache
-from .._curvature.estimators.fallbacks import check_on_unmatched
+from .._curvature.estimators.fallbacks import check_on_unmatched, report_fallbacks
 from .._curvature.estimators.loss_checks import check_batch_size, check_loss_values
 from .._curvature.estimators.modes import check_estimation_mode, check_mode_name
 from .._tracing.tracer import trace
@@ -168,37 +168,48 @@ class Preconditioner(eqx.Module):
     direction: AbstractDirection = eqx.field(default_factory=PreconditionedGradient)
 
     def estimator(
-        self, func: Callable[..., Any], func_args: Sequence[Any], who: str = "eqx_kfac"
+        self,
+        func: Callable[..., Any],
+        func_args: Sequence[Any],
+        who: str = "eqx_kfac",
+        report: bool = False,
     ) -> BlockDiagonalCurvature:
         """The estimator of `func` for arguments of this structure and these shapes.
 
-        Built on first use (tracing `func` once and logging the registration table at INFO level
-        on the `"eqx_kfac"` logger), and cached afterwards for every preconditioner with the same
-        function and curvature options. Complex parameters (the first argument's) raise
-        `ValueError`.
+        Built on first use (tracing `func` once, logging the registration table at INFO level
+        on the `"eqx_kfac"` logger and reporting fallbacks to generic blocks as `on_unmatched`
+        says), and cached afterwards for every preconditioner with the same function and
+        curvature options. Complex parameters (the first argument's) raise `ValueError`.
 
         **Arguments:**
 
         - `func`: the loss function; it registers its losses.
         - `func_args`: its arguments (arrays or `jax.ShapeDtypeStruct`s).
         - `who`: the caller's name, for the log and the errors.
+        - `report`: log the table and report the fallbacks for a cached estimator too (each
+          optimizer built reports, not only the first on a loss).
 
         **Returns:**
 
         A `BlockDiagonalCurvature`.
         """
         abstract = abstract_arrays(tuple(func_args))
+        built = []
 
         def build() -> BlockDiagonalCurvature:
             _check_real(abstract[0], who)
-            estimator = self.curvature.build(func, abstract)
+            built.append(self.curvature.build(func, abstract))
+            return built[0]
+
+        estimator = _ESTIMATORS.get((func, self.curvature, signature(abstract)), build)
+        if report and not built:
+            report_fallbacks(tuple(b.spec for b in estimator.blocks), self.curvature.on_unmatched)
+        if report or built:
             logger.info(
                 "%s: curvature blocks (%d blocks, %d parameters):\n%s",
                 who, estimator.num_blocks, estimator.dim, estimator.registrations(),
             )
-            return estimator
-
-        return _ESTIMATORS.get((func, self.curvature, signature(abstract)), build)
+        return estimator
 
     def batch_size(self, estimator: BlockDiagonalCurvature, func_args: Sequence[Any]) -> Any:
         """The number of examples in `func_args` (the extractor's, or the registered losses')."""
