@@ -168,6 +168,9 @@ from ._optim.step_rule import (
     StepProposal as StepProposal,
 )
 from ._pinn import (
+    adapted_damping as adapted_damping,
+    damped_linesearch as damped_linesearch,
+    DampedLineSearchState as DampedLineSearchState,
     default_grid as default_grid,
     DenseGaussNewton as DenseGaussNewton,
     DenseGaussNewtonState as DenseGaussNewtonState,

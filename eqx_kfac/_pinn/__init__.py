@@ -13,6 +13,11 @@ from .blocks import (
     TaylorDenseFull as TaylorDenseFull,
     TaylorDenseTwoKroneckerFactored as TaylorDenseTwoKroneckerFactored,
 )
+from .damping import (
+    adapted_damping as adapted_damping,
+    damped_linesearch as damped_linesearch,
+    DampedLineSearchState as DampedLineSearchState,
+)
 from .gauss_newton import DenseGaussNewton as DenseGaussNewton
 from .kronecker_sum import TaylorDenseKroneckerSum as TaylorDenseKroneckerSum
 from .line_search import (

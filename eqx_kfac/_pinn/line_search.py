@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, ArrayLike, Float, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree
 
 
 class GridLineSearchState(eqx.Module):
@@ -21,10 +21,16 @@ class GridLineSearchState(eqx.Module):
 
     - `previous_step`: the last update returned (zeros at first), for the momentum.
     - `learning_rate`: the step size chosen last (`0` when the step was skipped).
+    - `decreased`: whether a step of the grid lowered the loss at the last update (when not, the
+      step was skipped: the direction was unusable, e.g. too long for the smallest step to
+      help, or not finite).
+    - `num_skipped`: the number of updates so far whose step was skipped.
     """
 
     previous_step: PyTree[Array]
     learning_rate: Float[Array, ""]
+    decreased: Bool[Array, ""]
+    num_skipped: Int[Array, ""]
 
 
 def default_grid() -> Float[Array, " 31"]:
@@ -40,7 +46,7 @@ def scale_by_grid_linesearch(
     With `d = u + momentum · δ_prev` (`u` the incoming update, a descent direction; `δ_prev` the
     previous step), the step is `α* d` with `α*` the entry of `grid` minimising `value_fn(params
     + α d)`, or `0` when no entry lowers the loss below `value` (the step is skipped, as it is when
-    the direction is not finite). This is the
+    the direction is not finite; the state's `decreased` and `num_skipped` report it). This is the
     update rule of the ENGD and K-FAC optimizers of Dangel, Müller and Zeinhofer (2024), momentum
     included.
 
@@ -61,7 +67,9 @@ def scale_by_grid_linesearch(
 
     def init_fn(params: PyTree) -> GridLineSearchState:
         zeros = jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_inexact_array))
-        return GridLineSearchState(zeros, jnp.zeros((), steps.dtype))
+        return GridLineSearchState(
+            zeros, jnp.zeros((), steps.dtype), jnp.ones((), bool), jnp.zeros((), jnp.int32)
+        )
 
     def update_fn(
         updates: PyTree, state: GridLineSearchState, params: PyTree = None, *,
@@ -84,8 +92,10 @@ def scale_by_grid_linesearch(
         losses = jax.lax.map(loss_at, steps)
         losses = jnp.where(jnp.isfinite(losses), losses, jnp.inf)
         best = jnp.argmin(losses)
-        alpha = jnp.where(losses[best] < value, steps[best], 0.0)
-        step = jax.tree.map(lambda d: jnp.where(alpha > 0, alpha * d, 0.0).astype(d.dtype), direction)
-        return step, GridLineSearchState(step, alpha)
+        decreased = losses[best] < value
+        alpha = jnp.where(decreased, steps[best], 0.0)
+        step = jax.tree.map(lambda d: jnp.where(decreased, alpha * d, 0.0).astype(d.dtype), direction)
+        num_skipped = state.num_skipped + jnp.where(decreased, 0, 1).astype(jnp.int32)
+        return step, GridLineSearchState(step, alpha, decreased, num_skipped)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -5,9 +5,10 @@
 - `pinn_kfac`: K-FAC for PINNs (Dangel, Müller and Zeinhofer 2024), the same with the
   Kronecker-factored `G` of `kfac_preconditioner` and `TaylorDenseKroneckerSum` blocks.
 
-Both end in `scale_by_grid_linesearch`, so `update` needs the loss `value` and `value_fn` besides
-the batch. The library's `Optimizer` with `use_adaptive_learning_rate=True` and
-`use_adaptive_momentum=True` on the same blocks is the paper's "KFAC*".
+Both are `damped_linesearch`: the grid line search, and a damping `λ` that adapts to its
+outcome, so `update` needs the loss `value` and `value_fn` besides the batch. The library's
+`Optimizer` with `use_adaptive_learning_rate=True` and `use_adaptive_momentum=True` on the same
+blocks is the paper's "KFAC*".
 """
 
 from collections.abc import Callable, Sequence
@@ -27,8 +28,8 @@ from .._curvature.estimators.base import batch_size_of
 from .._optim.optax_transforms import kfac_preconditioner
 from .._tracing.layer_data import LayerSpec
 from .gauss_newton import DenseGaussNewton
+from .damping import damped_linesearch
 from .kronecker_sum import TaylorDenseKroneckerSum
-from .line_search import scale_by_grid_linesearch
 from .tags import TAG_NAME
 
 
@@ -105,20 +106,33 @@ def engd_preconditioner(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+# The defaults of `engd` and `pinn_kfac` (docs/pinn.md, "Damping", recommends and measures them).
+INITIAL_DAMPING = 1.0
+DAMPING_FACTOR = 10.0
+MIN_DAMPING = 1e-10
+MAX_DAMPING = 1e6
+
+
 def engd(
     loss_fn: Callable[..., Any],
     example_args: Sequence[Any],
     *,
-    damping: float | ArrayLike = 1e-10,
+    damping: float = INITIAL_DAMPING,
+    damping_factor: float = DAMPING_FACTOR,
+    min_damping: float = MIN_DAMPING,
+    max_damping: float = MAX_DAMPING,
     curvature_ema: float | ArrayLike = 0.0,
     momentum: float = 0.0,
     grid: Float[ArrayLike, " n"] | None = None,
     solver: lx.AbstractLinearSolver | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """Energy natural gradient descent: the dense Gauss-Newton direction and the grid line search.
+    """Energy natural gradient descent: the dense Gauss-Newton direction, the grid line search,
+    and a damping that adapts.
 
-    `optax.chain(engd_preconditioner(...), optax.scale(-1), scale_by_grid_linesearch(grid,
-    momentum))`. For small networks (`O(dim³)` per step).
+    `damped_linesearch` over `engd_preconditioner`: the direction `-(G + λI)⁻¹ ∇L`, scaled by
+    the grid step with the lowest loss, and `λ` lowered by `damping_factor` after a step of `1/2`
+    or more, raised by it after a step below `2^-10` or none (`adapted_damping`). For small
+    networks (`O(dim³)` per step).
 
     ```python
     optimizer = eqx_kfac.engd(loss, (model, batch))
@@ -134,21 +148,23 @@ def engd(
 
     **Arguments:**
 
-    - `loss_fn`, `example_args`, `damping`, `curvature_ema`, `solver`: as for
-      `engd_preconditioner`.
+    - `loss_fn`, `example_args`, `curvature_ema`, `solver`: as for `engd_preconditioner`.
+    - `damping`: the first step's damping `λ`.
+    - `damping_factor`: the factor of one change of `λ` (`1`: a fixed damping).
+    - `min_damping`, `max_damping`: the bounds of `λ`.
     - `momentum`, `grid`: as for `scale_by_grid_linesearch`.
 
     **Returns:**
 
     An `optax.GradientTransformationExtraArgs`; `update` takes `batch=`, `value=` and
-    `value_fn=`.
+    `value_fn=`. Its state is a `DampedLineSearchState`.
     """
-    return optax.chain(
-        engd_preconditioner(
-            loss_fn, example_args, damping=damping, curvature_ema=curvature_ema, solver=solver
+    return damped_linesearch(
+        lambda d: engd_preconditioner(
+            loss_fn, example_args, damping=d, curvature_ema=curvature_ema, solver=solver
         ),
-        optax.scale(-1.0),
-        scale_by_grid_linesearch(grid, momentum),
+        damping=damping, damping_factor=damping_factor, min_damping=min_damping,
+        max_damping=max_damping, grid=grid, momentum=momentum,
     )
 
 
@@ -156,48 +172,56 @@ def pinn_kfac(
     loss_fn: Callable[..., Any],
     example_args: Sequence[Any],
     *,
-    damping: float | ArrayLike = 1e-10,
-    curvature_ema: float | ArrayLike = 0.95,
+    damping: float = INITIAL_DAMPING,
+    damping_factor: float = DAMPING_FACTOR,
+    min_damping: float = MIN_DAMPING,
+    max_damping: float = MAX_DAMPING,
+    curvature_ema: float | ArrayLike = 0.0,
     momentum: float = 0.0,
     grid: Float[ArrayLike, " n"] | None = None,
     block: Callable[[LayerSpec], CurvatureBlock] = TaylorDenseKroneckerSum,
     inverse_update_period: int = 1,
     **preconditioner_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
-    """K-FAC for PINNs: the Kronecker-factored Gauss-Newton direction and the grid line search.
+    """K-FAC for PINNs: the Kronecker-factored Gauss-Newton direction, the grid line search, and
+    a damping that adapts.
 
-    `optax.chain(kfac_preconditioner(..., estimation_mode="ggn_exact",
-    layer_tag_to_block_ctor={"taylor_dense": block}), optax.scale(-1),
-    scale_by_grid_linesearch(grid, momentum))`: the "KFAC" optimizer of Dangel, Müller and
+    `damped_linesearch` over `kfac_preconditioner(..., estimation_mode="ggn_exact",
+    layer_tag_to_block_ctor={"taylor_dense": block})`: the "KFAC" optimizer of Dangel, Müller and
     Zeinhofer (2024), with one Kronecker product per point set (`TaylorDenseKroneckerSum`,
-    expand) refreshed at every step. `update` takes the same arguments as `engd`'s.
+    expand) refreshed at every step, and the damping of `engd`. `update` takes the same
+    arguments as `engd`'s.
 
     **Arguments:**
 
     - `loss_fn`, `example_args`: as for `kfac_preconditioner` (`loss_fn(model, batch)`
       evaluates the network with `taylor_forward`).
-    - `damping`: `λ` (see `TaylorDenseKroneckerSum` for how it is split over the factors).
-    - `curvature_ema`: the decay of the Kronecker factors' moving averages.
+    - `damping`, `damping_factor`, `min_damping`, `max_damping`: as for `engd` (see
+      `TaylorDenseKroneckerSum` for how `λ` is split over the factors).
+    - `curvature_ema`: the decay of the Kronecker factors' moving averages (`0`: this step's
+      factors, right for fixed collocation points).
     - `momentum`, `grid`: as for `scale_by_grid_linesearch`.
     - `block`: the block of the `taylor_dense` layers, e.g.
       `functools.partial(eqx_kfac.TaylorDenseKroneckerSum, approximation="reduce")` or
       `eqx_kfac.TaylorDenseTwoKroneckerFactored`.
-    - `inverse_update_period`: refresh the inverses every `k`-th step (`1`: every step).
+    - `inverse_update_period`: refresh the inverses every `k`-th step (`1`: every step; cached
+      inverses keep the damping of the step that refreshed them).
     - `**preconditioner_kwargs`: other keywords of `kfac_preconditioner`.
 
     **Returns:**
 
     An `optax.GradientTransformationExtraArgs`; `update` takes `batch=`, `value=` and
-    `value_fn=` (and `key=` for a sampled estimation mode).
+    `value_fn=` (and `key=` for a sampled estimation mode). Its state is a
+    `DampedLineSearchState`.
     """
     ctors = {TAG_NAME: block, **preconditioner_kwargs.pop("layer_tag_to_block_ctor", {})}
     preconditioner_kwargs.setdefault("estimation_mode", "ggn_exact")
-    return optax.chain(
-        kfac_preconditioner(
-            loss_fn, example_args, damping=damping, curvature_ema=curvature_ema,
+    return damped_linesearch(
+        lambda d: kfac_preconditioner(
+            loss_fn, example_args, damping=d, curvature_ema=curvature_ema,
             inverse_update_period=inverse_update_period, layer_tag_to_block_ctor=ctors,
             **preconditioner_kwargs,
         ),
-        optax.scale(-1.0),
-        scale_by_grid_linesearch(grid, momentum),
+        damping=damping, damping_factor=damping_factor, min_damping=min_damping,
+        max_damping=max_damping, grid=grid, momentum=momentum,
     )
