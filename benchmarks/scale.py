@@ -114,7 +114,8 @@ class Decoder(eqx.Module):
 def loss_fn(model, batch):
     tokens, targets = batch
     logits = jax.vmap(model)(tokens)
-    eqx_kfac.register_softmax_cross_entropy_loss(logits, targets)
+    # A per-token mean (over batch and positions): `mean_over="all"` scales the curvature to match.
+    eqx_kfac.register_softmax_cross_entropy_loss(logits, targets, mean_over="all")
     picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)
     return -jnp.mean(picked)
 

@@ -5,7 +5,9 @@ input are batch axes (batch, then e.g. sequence positions) and the last is the e
 act on tuples shaped like `inputs` and sum over examples (no `1/B`); `weight` multiplies the loss
 and its curvature, and factors `B` (`B Bᵀ` the curvature) by `sqrt(weight)`: a scalar weight
 scales all examples, a per-example weight (shaped like the leading batch axes, e.g. `(batch,)`)
-each example's slice, which is right because every product acts on each example separately. The
+each example's slice, which is right because every product acts on each example separately.
+`with_mean_over` rescales the weight of a loss whose training loss averages over every leading
+axis (e.g. a per-token mean) instead of the batch axis alone. The
 `register_*` functions (in `registration.py`) bind a loss to the `loss_tag` primitive for the
 tracer and return their first argument.
 
@@ -14,6 +16,7 @@ This module holds the base classes and the helpers the loss families share; `nor
 """
 
 import abc
+import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -25,6 +28,7 @@ from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree, Real
 
 
 CoefficientMode = Literal["regular", "sqrt", "off"]
+MeanOver = Literal["batch", "all"]
 
 
 def as_scalar(value: Real[ArrayLike, ""], name: str) -> Array:
@@ -50,6 +54,50 @@ def as_weight(weight: Real[ArrayLike, "..."], inputs: Array, cls: str) -> Array:
 def _on_examples(weight: Array, values: Array) -> Array:
     """`weight` in the dtype of `values`, aligned with its leading (batch) axes."""
     return jnp.reshape(weight, weight.shape + (1,) * (values.ndim - weight.ndim)).astype(values.dtype)
+
+
+def examples_counted(inputs: Array, mask: Array | None) -> Array | None:
+    """What a mean over every leading axis of `inputs` divides by: the number of examples
+    (positions of the leading axes), or with a mask, the mask's sum. A mask shaped like `inputs`
+    (one value per output, as the multi-Bernoulli's) counts each example by its mean over the last
+    axis. `None` for a mask of another shape. In at least float32 (a count in bfloat16 rounds)."""
+    dtype = jnp.promote_types(inputs.dtype, jnp.float32)
+    if mask is None:
+        return jnp.asarray(math.prod(inputs.shape[:-1]), dtype)
+    total = jnp.sum(mask.astype(dtype))
+    if mask.shape == inputs.shape:
+        return total / inputs.shape[-1]
+    return total if mask.shape == inputs.shape[:-1] else None
+
+
+def with_mean_over(loss: "LossFunction", mean_over: MeanOver, where: str) -> "LossFunction":
+    """`loss` with its weight set for a training loss averaged over `mean_over`.
+
+    The curvature of a registered loss is averaged over the batch (the leading axis) and summed
+    over the other leading axes. `"batch"` keeps the loss; `"all"`, a mean over every leading axis
+    (divided by `examples_counted`: the examples, or the mask's sum), multiplies its weight by
+    `batch / examples_counted`, which is `1 / positions` without a mask.
+    """
+    if mean_over not in ("batch", "all"):
+        raise ValueError(
+            f"{where}: `mean_over` must be 'batch' (the loss is averaged over the leading axis "
+            "and summed over the others) or 'all' (averaged over every leading axis, e.g. a "
+            f"per-token mean), got {mean_over!r}."
+        )
+    if mean_over == "batch":
+        return loss
+    inputs = loss.inputs[0]
+    mask = getattr(loss, "mask", None)
+    count = examples_counted(inputs, mask)
+    if count is None:
+        raise ValueError(
+            f"{where}: mean_over='all' counts the examples the mask keeps, so the mask must be "
+            f"shaped like the inputs {inputs.shape} or their leading axes {inputs.shape[:-1]}; "
+            f"got shape {mask.shape}."
+        )
+    batch = inputs.shape[0] if inputs.ndim > 1 else 1
+    weight = loss.weight * (batch / jnp.where(count > 0, count, 1))
+    return eqx.tree_at(lambda l: l.weight, loss, as_weight(weight, inputs, where))
 
 
 def check_inputs(array: Array, name: str, cls: str) -> None:

@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike, Float, Real
 
 from .. import tags as _tags
 from ..._core.linalg import eigh
-from .base import as_weight, check_inputs, CoefficientMode, LossFunction
+from .base import as_weight, check_inputs, CoefficientMode, LossFunction, MeanOver, with_mean_over
 
 NegativeCurvature = Literal["warn", "clip", "raise"]
 _NEGATIVE_CURVATURE = ("warn", "clip", "raise")
@@ -216,6 +216,7 @@ def register_custom_loss(
     *,
     negative_curvature: NegativeCurvature = "warn",
     tolerance: float = 1e-6,
+    mean_over: MeanOver = "batch",
 ) -> Float[Array, "*batch d"]:
     """Registers any per-example loss that is convex in the model outputs (GGN estimation modes).
 
@@ -257,6 +258,10 @@ def register_custom_loss(
       `"raise"` raises a run-time error through `eqx.error_if`.
     - `tolerance`: the relative tolerance for negative eigenvalues (rounding error below it is
       always clipped silently).
+    - `mean_over`: which leading axes your training loss averages this loss over: `"batch"`
+      (default) the leading axis only, summing over the others (e.g. sequence positions);
+      `"all"` every leading axis (a per-token mean). It sets the curvature's scale: `"all"` is
+      `weight` times `1 / positions`.
 
     **Returns:** `outputs`, unchanged (use the returned value: it carries the registration).
     """
@@ -268,4 +273,4 @@ def register_custom_loss(
         negative_curvature=negative_curvature,
         tolerance=tolerance,
     )
-    return _tags.loss_tag.bind(loss)[0]
+    return _tags.loss_tag.bind(with_mean_over(loss, mean_over, "register_custom_loss"))[0]
