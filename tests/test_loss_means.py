@@ -213,3 +213,18 @@ def test_mean_over_all_gives_the_exact_curvature_of_the_users_loss(case, mode):
     problem = _problem(*_CASES[case])
     expected = brute_force_ggn(problem)
     np.testing.assert_allclose(_exact_curvature(problem, mode), expected, rtol=1e-10, atol=1e-12)
+
+
+def _huber(output, target):
+    return jnp.sum(optax.huber_loss(output, target, delta=0.5))
+
+
+def test_custom_loss_with_mean_over_all_is_exact():
+    # GGN only (no predictive distribution): the per-token Hessian of the loss, scaled by 1/T.
+    problem = _problem(
+        lambda z, b: jnp.mean(jax.vmap(jax.vmap(_huber))(z, b[1])),
+        lambda z, b: eqx_kfac.register_custom_loss(z, _huber, b[1], mean_over="all"),
+        (_X, _TARGETS),
+    )
+    expected = brute_force_ggn(problem)
+    np.testing.assert_allclose(_exact_curvature(problem, "ggn_exact"), expected, rtol=1e-10, atol=1e-12)
