@@ -27,6 +27,40 @@ from ._curvature.blocks import (
     ScaledIdentity as ScaledIdentity,
     WeightedMovingAverage as WeightedMovingAverage,
 )
+from ._curvature.blocks import (
+    DiagonalState as DiagonalState,
+    EigenbasisState as EigenbasisState,
+    FullState as FullState,
+    KroneckerState as KroneckerState,
+)
+from ._curvature.blocks._layer_stats import (
+    check_dense_spec as check_dense_spec,
+    check_scale_and_shift_spec as check_scale_and_shift_spec,
+    dense_array_to_params as dense_array_to_params,
+    dense_gradient_samples as dense_gradient_samples,
+    dense_kronecker_factors as dense_kronecker_factors,
+    dense_layout as dense_layout,
+    dense_params_to_array as dense_params_to_array,
+    scale_and_shift_gradient_samples as scale_and_shift_gradient_samples,
+)
+from ._curvature.blocks.conv_statistics import (
+    check_conv_spec as check_conv_spec,
+    conv_gradient_samples as conv_gradient_samples,
+    conv_kronecker_factors as conv_kronecker_factors,
+    conv_layout as conv_layout,
+    ConvLayout as ConvLayout,
+)
+from ._curvature.blocks.statistics import (
+    outer_from_samples as outer_from_samples,
+    squares_from_samples as squares_from_samples,
+    statistics_dtype as statistics_dtype,
+    sum_to_shape as sum_to_shape,
+)
+from ._curvature.operators.curvature.layout import (
+    flatten_vector as flatten_vector,
+    unflatten_vector as unflatten_vector,
+)
+from ._tracing.losses.base import AbstractFisherAsGGNLoss as AbstractFisherAsGGNLoss
 from ._tracing.losses.custom import CustomLoss as CustomLoss, register_custom_loss as register_custom_loss
 from ._curvature.operators.curvature import (
     AbstractCurvatureOperator as AbstractCurvatureOperator,
@@ -106,6 +140,7 @@ from ._curvature.operators.spectral import (
 )
 from ._optim.damping import (
     AbstractDampingRule as AbstractDampingRule,
+    damping_report as damping_report,
     DampingReport as DampingReport,
     DampingState as DampingState,
     GivenDamping as GivenDamping,

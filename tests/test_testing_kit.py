@@ -80,17 +80,17 @@ class _GradientDiagonal(eqx_kfac.Diagonal):
     def _diagonal_statistics(self, data, batch_size):
         return tuple(jnp.sum(jnp.square(g), axis=0) / batch_size for g in data.params_tangent)
 
-    def _multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached):
+    def slice_multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached):
         if self.bug == "inverse damps twice" and power == -1:
             identity_weight = 2 * identity_weight
-        return super()._multiply_matpower(
+        return super().slice_multiply_matpower(
             state, vector, identity_weight, power, exact_power, use_cached
         )
 
-    def _slice_operator(self, state, identity_weight):
+    def slice_operator(self, state, identity_weight):
         if self.bug == "operator drops the damping":
             identity_weight = 0.0
-        return super()._slice_operator(state, identity_weight)
+        return super().slice_operator(state, identity_weight)
 
 
 @pytest.mark.parametrize(

@@ -73,12 +73,31 @@ class DampingReport(eqx.Module):
     quad_change: Float[Array, ""]
 
 
-def _nan(context: StepContext) -> Float[Array, ""]:
-    return jnp.full((), jnp.nan, context.loss.dtype)
+def damping_report(
+    outcome: StepOutcome, context: StepContext, rho: Float[Array, ""] | None = None
+) -> DampingReport:
+    """The `DampingReport` of a step, NaN for what neither the rule nor the step computed.
 
+    A rule that does not adapt at this step (a given or scheduled damping, or an adaptive one
+    between its adaptations) reports `rho` as NaN, and the new loss and predicted change when the
+    guard and the step rule computed them (`outcome.new_loss`, `outcome.quad_change`).
 
-def _known(value: Array | None, context: StepContext) -> Float[Array, ""]:
-    return _nan(context) if value is None else value.astype(context.loss.dtype)
+    **Arguments:**
+
+    - `outcome`: the step's `StepOutcome`.
+    - `context`: the step (its loss's dtype is the report's).
+    - `rho`: the reduction ratio when the rule computed it, else `None`.
+
+    **Returns:**
+
+    A `DampingReport` of scalars in the loss's dtype.
+    """
+    dtype = context.loss.dtype
+
+    def known(value: Array | None) -> Float[Array, ""]:
+        return jnp.full((), jnp.nan, dtype) if value is None else jnp.asarray(value).astype(dtype)
+
+    return DampingReport(known(rho), known(outcome.new_loss), known(outcome.quad_change))
 
 
 class AbstractDampingRule(eqx.Module):
@@ -149,10 +168,7 @@ class _AbstractValueDamping(AbstractDampingRule):
         self.source.check(given.damping, "damping")
 
     def update(self, state, damping, outcome, context):
-        report = DampingReport(
-            _nan(context), _known(outcome.new_loss, context), _known(outcome.quad_change, context)
-        )
-        return DampingState(damping.astype(state.damping.dtype)), report
+        return DampingState(damping.astype(state.damping.dtype)), damping_report(outcome, context)
 
 
 class GivenDamping(_AbstractValueDamping):
@@ -280,9 +296,7 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
         def keep():
             known = outcome.new_loss is not None and outcome.quad_change is not None
             if not (self.raise_at_once and known):
-                return state.damping, DampingReport(
-                    _nan(context), _known(outcome.new_loss, context), _known(outcome.quad_change, context)
-                )
+                return state.damping, damping_report(outcome, context)
             # `ρ` is known without another evaluation: a collapse raises the damping now.
             adapted, report = self._adapt(state, damping, outcome, context)
             return jnp.maximum(adapted, state.damping), report

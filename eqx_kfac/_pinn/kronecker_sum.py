@@ -189,7 +189,7 @@ class TaylorDenseKroneckerSum(CurvatureBlock):
             "TaylorDenseFull for this layer."
         )
 
-    def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> KroneckerSumState:
+    def slice_init(self, exact_powers, approx_powers, cache_eigenvalues) -> KroneckerSumState:
         if exact_powers or cache_eigenvalues or set(approx_powers) - {-1.0}:
             raise self._unavailable(
                 f"cache for exact powers {exact_powers}, approximate powers {approx_powers} or "
@@ -203,7 +203,7 @@ class TaylorDenseKroneckerSum(CurvatureBlock):
         )
         return KroneckerSumState(factors=factors, cache=cache)
 
-    def _update(self, state, data, ema_old, ema_new, batch_size) -> KroneckerSumState:
+    def slice_update_statistics(self, state, data, ema_old, ema_new, batch_size) -> KroneckerSumState:
         pairs, _ = factor_pairs(self.spec, data, batch_size, self.dtype, self.approximation)
         factors = tuple(
             (a.update(new_a, ema_old, ema_new), g.update(new_g, ema_old, ema_new))
@@ -214,7 +214,7 @@ class TaylorDenseKroneckerSum(CurvatureBlock):
     def _pairs(self, state: KroneckerSumState) -> tuple[tuple[Array, Array], ...]:
         return tuple((a.value, g.value) for a, g in state.factors)
 
-    def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues) -> KroneckerSumState:
+    def slice_update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues) -> KroneckerSumState:
         if exact_powers or eigenvalues or set(approx_powers) - {-1.0}:
             raise self._unavailable(f"cache for exact powers {exact_powers} or approximate powers {approx_powers}")
 
@@ -227,7 +227,7 @@ class TaylorDenseKroneckerSum(CurvatureBlock):
         cache = state.cache.refreshed(self, approx_powers, inverse)
         return KroneckerSumState(factors=state.factors, cache=cache)
 
-    def _multiply_matpower(
+    def slice_multiply_matpower(
         self,
         state: KroneckerSumState,
         vector: tuple[Array, ...],
@@ -258,15 +258,15 @@ class TaylorDenseKroneckerSum(CurvatureBlock):
             raise self._unavailable(f"{'exact' if exact_power else 'approximate'} power {power}")
         return self._dense._array_to_params(result)
 
-    def _eigenvalues(self, state: KroneckerSumState, use_cached: bool) -> Array:
+    def slice_eigenvalues(self, state: KroneckerSumState, use_cached: bool) -> Array:
         if use_cached:
             raise self._unavailable("cached eigenvalues")
         pairs = self._pairs(state)
         if len(pairs) == 1:
             return kron_vectors(kronecker_eigh(pairs[0]).eigenvalues)
-        return kronecker_eigh([self._to_dense(state)]).eigenvalues[0]
+        return kronecker_eigh([self.slice_to_dense_matrix(state)]).eigenvalues[0]
 
-    def _to_dense(self, state: KroneckerSumState) -> Array:
+    def slice_to_dense_matrix(self, state: KroneckerSumState) -> Array:
         layout = KroneckerLayout(self._dense)
         zero = jnp.zeros((), self.dtype)
         return sum(KroneckerCurvatureOperator(pair, zero, layout).as_matrix() for pair in self._pairs(state))

@@ -1,11 +1,15 @@
-"""Spec checks and exact per-example gradients of dense and scale-and-shift layers.
+"""Spec checks, layouts and statistics of dense and scale-and-shift layers.
 
-Shared by the diagonal, full and Kronecker blocks of these layers.
+Shared by the diagonal, full and Kronecker blocks of these layers, and public (exported from
+`eqx_kfac`) for new blocks of these layers.
 """
+
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Shaped
 
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from .base import CurvatureBlock
@@ -106,6 +110,81 @@ def dense_gradient_samples(spec: LayerSpec, data: EstimationData) -> tuple[Array
     if has_bias:
         samples += (jnp.reshape(jnp.sum(dy, axis=2), (v * b, *spec.param_shapes[1])),)
     return samples
+
+
+def dense_params_to_array(spec: LayerSpec, vector: tuple[Array, ...]) -> Shaped[Array, "rows out"]:
+    """A dense layer's parameters as one `(in, out)` array, with the bias as an extra last row.
+
+    The canonical array of `DenseTwoKroneckerFactored`, on which `A ⊗ G` acts factor-wise:
+    `(A ⊗ G) vec(W) = vec(A W G)` for this array `W`. An `(out, in)` weight (`"out_in"`) is
+    transposed, an n-d `(*in, *out)` weight reshaped. Any dtype (integer arrays of positions
+    too).
+
+    **Arguments:**
+
+    - `spec`: the dense layer's spec (checked by `check_dense_spec`).
+    - `vector`: arrays shaped like `spec.param_shapes` (weight, then bias if any).
+
+    **Returns:**
+
+    An array of shape `(in + has_bias, out)`.
+    """
+    in_out, has_bias, n_in, n_out = dense_layout(spec)
+    weight = jnp.reshape(vector[0], (n_in, n_out)) if in_out else vector[0].T
+    if not has_bias:
+        return weight
+    return jnp.concatenate([weight, jnp.reshape(vector[1], (1, n_out))], axis=0)
+
+
+def dense_array_to_params(spec: LayerSpec, array: Shaped[Array, "rows out"]) -> tuple[Array, ...]:
+    """The inverse of `dense_params_to_array`.
+
+    **Arguments:**
+
+    - `spec`: the dense layer's spec.
+    - `array`: an array of shape `(in + has_bias, out)`.
+
+    **Returns:**
+
+    A tuple of arrays shaped like `spec.param_shapes`.
+    """
+    in_out, has_bias, n_in, _ = dense_layout(spec)
+    shapes = spec.param_shapes
+    weight = array[:n_in]
+    params = (jnp.reshape(weight, shapes[0]) if in_out else weight.T,)
+    if has_bias:
+        params += (jnp.reshape(array[n_in], shapes[1]),)
+    return params
+
+
+def dense_kronecker_factors(
+    spec: LayerSpec, data: EstimationData, batch_size: ArrayLike, dtype: Any
+) -> tuple[Float[Array, "rows rows"], Float[Array, "out out"]]:
+    """This batch's K-FAC factors `(A, G)` of a dense layer (see `DenseTwoKroneckerFactored`).
+
+    **Arguments:**
+
+    - `spec`: the dense layer's spec.
+    - `data`: inputs `x: (B, *extra, in)` and output tangents `dy: (V, B, *extra, out)`.
+    - `batch_size`: `B`, the number of examples the statistics are averaged over.
+    - `dtype`: the statistics dtype (`statistics_dtype(spec)`).
+
+    **Returns:**
+
+    `A = Σ_{b,t} x̃ x̃ᵀ / (B T)` (`x̃` = `x` with a 1 appended when there is a bias) and
+    `G = Σ_v Σ_{b,t} dy dyᵀ / B`, with `T = prod(extra)` positions per example, the factors of
+    `dense_params_to_array`'s array.
+    """
+    _, has_bias, n_in, n_out = dense_layout(spec)
+    (x,) = data.inputs
+    (dy,) = data.outputs_tangent
+    positions = int(np.prod(x.shape[1:-1], dtype=int))
+    # Explicit sizes: a `-1` cannot be inferred when a layer has zero inputs or outputs.
+    x = jnp.reshape(x.astype(dtype), (x.shape[0] * positions, n_in))
+    if has_bias:
+        x = jnp.concatenate([x, jnp.ones((x.shape[0], 1), dtype)], axis=1)
+    dy = jnp.reshape(dy.astype(dtype), (int(np.prod(dy.shape[:-1], dtype=int)), n_out))
+    return (x.T @ x / (batch_size * positions), dy.T @ dy / batch_size)
 
 
 def check_scale_and_shift_spec(block: CurvatureBlock) -> None:

@@ -4,31 +4,12 @@ A curvature block approximates the curvature (Fisher / GGN) of one registered la
 immutable `eqx.Module`s built from a `LayerSpec`; everything that changes lives in a separate
 state PyTree that the block's methods take and return.
 
-**How subclassing works.** The public methods of `CurvatureBlock` (`init`,
-`update_curvature_matrix_estimate`, `update_cache`, `multiply_matpower`, `eigenvalues`,
-`to_dense_matrix`, ...) are final: they normalise arguments and, for layers applied inside
-`jax.lax.scan` over stacked parameters (`spec.stack_size` not `None`), `jax.vmap` the private
-per-slice methods over the stack axis. A subclass implements the private methods for **one
-slice** (one ordinary layer):
-
-- `_init(exact_powers, approx_powers, cache_eigenvalues) -> state`
-- `_update(state, data, ema_old, ema_new, batch_size) -> state`
-- `_update_cache(state, identity_weight, exact_powers, approx_powers, eigenvalues) -> state`
-  (default: nothing is cached)
-- `_multiply_matpower(state, vector, identity_weight, power, exact_power, use_cached) -> vector`
-  (default: the power of `_slice_operator`, right for structures whose powers are exact and cheap)
-- `_eigenvalues(state, use_cached) -> Float[Array, "dim"]`
-- `_to_dense(state) -> Float[Array, "dim dim"]`
-- optionally `_slice_operator(state, identity_weight) -> AbstractSliceCurvatureOperator`: the damped
-  curvature as a structured operator (default: the dense matrix of `_to_dense`)
-
-Two methods see the whole block (stack axis included) and answer `eqx_kfac.damped_block_operator`
-and `eqx_kfac.solve_block`: `_damped_operator(state, identity_weight)` and `_solve(state, vector,
-identity_weight, solver)`. Their defaults use `as_linear_operator`; the Kronecker form
-(`AbstractKroneckerFormBlock`: `Full`, `KroneckerFactored`) solves on its canonical array.
-
-Most new blocks subclass a family instead (`Diagonal`, `Full`, `KroneckerFactored`), which
-implement all of the above and leave only the layer-specific statistics abstract.
+**How subclassing works.** The public methods of `CurvatureBlock` are final: they normalise
+arguments and `jax.vmap` the per-slice hooks (`slice_init`, `slice_update_statistics`, ...; each
+named after the method it serves) over the stack axis of a layer applied inside `jax.lax.scan`.
+Two private methods see the whole block and answer `eqx_kfac.damped_block_operator` and
+`eqx_kfac.solve_block`: `_damped_operator` and `_solve` (defaults through `as_linear_operator`;
+the Kronecker form, `AbstractKroneckerFormBlock`, solves on its canonical array).
 """
 
 import abc
@@ -116,25 +97,16 @@ class CurvatureBlock(eqx.Module):
     estimate `C` damped by `identity_weight = λ` and raised to the power `p`.
 
     **To write a block**, subclass a family (`Diagonal`, `Full`, `KroneckerFactored`, see their
-    docstrings) or this class directly. A direct subclass must:
-
-    - declare the field `spec: LayerSpec = eqx.field(static=True)` (and any other fields, all in
-      the final class; the generated `__init__` then takes the spec first);
-    - set the class variable `supported_tags` to the tag names it can handle, or `None` when it
-      only uses `params_tangent` and so fits every tag;
-    - optionally override `_check_spec()` to raise `ValueError` for specs it cannot handle
-      (called after `supported_tags` is checked);
-    - leave the class variable `takes_solver` `False`: it is `True` for the blocks with a field
-      `solver: lineax.AbstractLinearSolver | None` for their power `-1`, the subclasses of
-      `AbstractKroneckerFormBlock` (the families `Full` and `KroneckerFactored`), on which
-      `BlockDiagonalCurvature(inverse_solver=)` sets that field;
-    - implement the per-slice private methods listed in the module docstring of
-      `eqx_kfac._curvature.blocks.base`. They see one ordinary layer: `vector`s are tuples shaped like
-      `spec.param_shapes`, `EstimationData` fields have no stack axis, eigenvalues are flat
-      arrays of length `slice_dim`, and `_to_dense` is `(slice_dim, slice_dim)`.
-
-    `exact_powers` / `approx_powers` arrive at the private methods as sorted tuples of floats;
-    `power` as a Python number.
+    docstrings) or this class directly ("Writing a block" in `docs/extending.md`). A direct
+    subclass declares the field `spec: LayerSpec = eqx.field(static=True)` (then its other
+    fields, all in the final class), sets the class variable `supported_tags` (`None` when it
+    only uses `params_tangent`, which fits every tag), may override `_check_spec()` to raise
+    `ValueError` for specs it cannot handle, and implements the per-slice hooks `slice_init`,
+    `slice_update_statistics`, `slice_eigenvalues`, `slice_to_dense_matrix` and, where the
+    defaults do not fit, `slice_update_cache`, `slice_multiply_matpower` and `slice_operator`.
+    The hooks see one ordinary layer (no stack axis); call the public methods, which handle
+    stacked layers. `takes_solver` is `True` only for `AbstractKroneckerFormBlock`s (`Full`,
+    `KroneckerFactored`), whose field `solver` `BlockDiagonalCurvature(inverse_solver=)` sets.
 
     **Fields:**
 
@@ -249,7 +221,7 @@ class CurvatureBlock(eqx.Module):
         these arguments.
         """
         del key
-        state = self._init(
+        state = self.slice_init(
             normalize_powers(exact_powers_to_cache),
             normalize_powers(approx_powers_to_cache),
             bool(cache_eigenvalues),
@@ -293,7 +265,7 @@ class CurvatureBlock(eqx.Module):
                 params_tangent=tuple(jnp.moveaxis(t, 1, 0) for t in data.params_tangent),
             )
         return self._stacked(
-            lambda s, d: self._update(s, d, ema_old, ema_new, batch_size), state, data
+            lambda s, d: self.slice_update_statistics(s, d, ema_old, ema_new, batch_size), state, data
         )
 
     def update_cache(
@@ -322,7 +294,7 @@ class CurvatureBlock(eqx.Module):
         exact = normalize_powers(exact_powers)
         approx = normalize_powers(approx_powers)
         return self._stacked(
-            lambda s: self._update_cache(s, identity_weight, exact, approx, bool(eigenvalues)),
+            lambda s: self.slice_update_cache(s, identity_weight, exact, approx, bool(eigenvalues)),
             state,
             one_slice_at_a_time=self._factorises_with_solver(-1),
         )
@@ -356,7 +328,7 @@ class CurvatureBlock(eqx.Module):
         """
         vector = self._check_vector(vector)
         return self._stacked(
-            lambda s, v: self._multiply_matpower(
+            lambda s, v: self.slice_multiply_matpower(
                 s, v, identity_weight, power, bool(exact_power), bool(use_cached)
             ),
             state,
@@ -419,7 +391,7 @@ class CurvatureBlock(eqx.Module):
 
         A flat array of `dim` eigenvalues.
         """
-        values = self._stacked(lambda s: self._eigenvalues(s, bool(use_cached)), state)
+        values = self._stacked(lambda s: self.slice_eigenvalues(s, bool(use_cached)), state)
         return jnp.reshape(values, (-1,))
 
     def to_dense_matrix(self, state: eqx.Module) -> Float[Array, "dim dim"]:
@@ -436,7 +408,7 @@ class CurvatureBlock(eqx.Module):
 
         The undamped curvature estimate as a matrix.
         """
-        dense = self._stacked(self._to_dense, state)
+        dense = self._stacked(self.slice_to_dense_matrix, state)
         if self.spec.stack_size is None:
             return dense
         return unstack_block_diagonal(dense, self.spec.param_shapes)
@@ -448,7 +420,7 @@ class CurvatureBlock(eqx.Module):
 
         Its input structure is the tuple of the parameters' `jax.ShapeDtypeStruct`s (in the
         statistics dtype). The operator keeps the block's structure (Kronecker factors, an
-        eigenbasis, a diagonal, ...; see `_slice_operator`), so `eqx_kfac.trace`, `logdet`,
+        eigenbasis, a diagonal, ...; see `slice_operator`), so `eqx_kfac.trace`, `logdet`,
         `eigenvalues`, `frobenius_norm` and `matpower` work on it without forming a dense
         matrix; a stacked layer gives a `StackedCurvatureOperator` over its slices.
 
@@ -462,24 +434,34 @@ class CurvatureBlock(eqx.Module):
         An `AbstractCurvatureOperator`, tagged symmetric and positive semidefinite for lineax.
         """
         weight = jnp.asarray(identity_weight, self.dtype)
-        operator = self._stacked(lambda s: self._slice_operator(s, weight), state)
+        operator = self._stacked(lambda s: self.slice_operator(s, weight), state)
         if self.spec.stack_size is None:
             return operator
         return StackedCurvatureOperator(operator)
 
-    # --- per-slice implementation (subclasses) --------------------------------------------
+    # --- per-slice hooks (subclasses) ---------------------------------------------------------
 
     @abc.abstractmethod
-    def _init(
+    def slice_init(
         self,
         exact_powers: tuple[float, ...],
         approx_powers: tuple[float, ...],
         cache_eigenvalues: bool,
     ) -> eqx.Module:
-        """The state of one slice: statistics and zeroed caches."""
+        """The state of one slice (the hook of `init`): empty statistics and zeroed caches.
+
+        **Arguments:**
+
+        - `exact_powers`, `approx_powers`: the powers to cache, sorted tuples of floats.
+        - `cache_eigenvalues`: whether to make room for cached eigenvalues.
+
+        **Returns:**
+
+        An `eqx.Module` of arrays whose shapes depend only on the spec and the arguments.
+        """
 
     @abc.abstractmethod
-    def _update(
+    def slice_update_statistics(
         self,
         state: eqx.Module,
         data: EstimationData,
@@ -487,9 +469,23 @@ class CurvatureBlock(eqx.Module):
         ema_new: ArrayLike,
         batch_size: ArrayLike,
     ) -> eqx.Module:
-        """Moving-average update of one slice's statistics."""
+        """Folds one batch into one slice's moving averages (the hook of
+        `update_curvature_matrix_estimate`).
 
-    def _update_cache(
+        **Arguments:**
+
+        - `state`: the slice's state.
+        - `data`: the layer's `EstimationData` without a stack axis; tangents lead with the vector
+          axis `V`, then the batch.
+        - `ema_old`, `ema_new`: the weights of the old and the new estimate.
+        - `batch_size`: the divisor of the sums over examples and vectors.
+
+        **Returns:**
+
+        The state with new statistics (caches untouched).
+        """
+
+    def slice_update_cache(
         self,
         state: eqx.Module,
         identity_weight: ArrayLike,
@@ -497,11 +493,24 @@ class CurvatureBlock(eqx.Module):
         approx_powers: tuple[float, ...],
         eigenvalues: bool,
     ) -> eqx.Module:
-        """Refreshes one slice's caches (default: a block that caches nothing)."""
+        """Refreshes one slice's caches from its statistics (the hook of `update_cache`; default:
+        a block that caches nothing).
+
+        **Arguments:**
+
+        - `state`: the slice's state.
+        - `identity_weight`: the damping of cached approximate powers.
+        - `exact_powers`, `approx_powers`: the powers to refresh (given to `init`).
+        - `eigenvalues`: whether to refresh the cached eigenvalues.
+
+        **Returns:**
+
+        The state with refreshed caches.
+        """
         del identity_weight, exact_powers, approx_powers, eigenvalues
         return state
 
-    def _multiply_matpower(
+    def slice_multiply_matpower(
         self,
         state: eqx.Module,
         vector: tuple[Array, ...],
@@ -510,31 +519,71 @@ class CurvatureBlock(eqx.Module):
         exact_power: bool,
         use_cached: bool,
     ) -> tuple[Array, ...]:
-        """`(C + λ I)^p v` for one slice (default: the power of `_slice_operator`, for blocks
-        whose structure makes every power exact and cheap, such as a diagonal)."""
+        """`(C + λ I)^p v` for one slice (the hook of `multiply_matpower`; default: the power of
+        `slice_operator`, for structures whose powers are exact and cheap, such as a diagonal).
+
+        **Arguments:**
+
+        - `state`, `identity_weight`, `power`, `exact_power`, `use_cached`: as for
+          `multiply_matpower` (`power` a Python number).
+        - `vector`: a tuple of arrays shaped like `spec.param_shapes`.
+
+        **Returns:**
+
+        A tuple of arrays shaped like `vector`.
+        """
         del exact_power, use_cached
-        return self._slice_operator(state, identity_weight).matpower(power).mv(vector)
+        return self.slice_operator(state, identity_weight).matpower(power).mv(vector)
 
     @abc.abstractmethod
-    def _eigenvalues(self, state: eqx.Module, use_cached: bool) -> Array:
-        """Flat eigenvalues of one slice."""
+    def slice_eigenvalues(self, state: eqx.Module, use_cached: bool) -> Float[Array, " slice_dim"]:
+        """The eigenvalues of one slice's undamped curvature (the hook of `eigenvalues`).
+
+        **Arguments:**
+
+        - `state`: the slice's state.
+        - `use_cached`: return those stored by the last `slice_update_cache`.
+
+        **Returns:**
+
+        A flat array of `slice_dim` eigenvalues, in any order.
+        """
 
     @abc.abstractmethod
-    def _to_dense(self, state: eqx.Module) -> Array:
-        """Dense `(slice_dim, slice_dim)` matrix of one slice."""
+    def slice_to_dense_matrix(self, state: eqx.Module) -> Float[Array, "slice_dim slice_dim"]:
+        """One slice's undamped curvature as a dense matrix (the hook of `to_dense_matrix`).
 
-    def _slice_operator(
+        **Arguments:**
+
+        - `state`: the slice's state.
+
+        **Returns:**
+
+        The `(slice_dim, slice_dim)` matrix, rows in tag order, each parameter flattened row-major.
+        """
+
+    def slice_operator(
         self, state: eqx.Module, identity_weight: ArrayLike
     ) -> AbstractSliceCurvatureOperator:
-        """The damped curvature of one slice as a structured operator.
+        """One slice's damped curvature as a structured operator (the hook of
+        `as_linear_operator`).
 
         The families return their structure (`KroneckerCurvatureOperator`,
-        `EigenbasisCurvatureOperator`, `DiagonalCurvatureOperator`, ...). A block without one
-        is seen as its dense matrix (a one-factor Kronecker operator on the flat parameters,
-        `O(slice_dim²)` memory): override this to keep a structure.
+        `EigenbasisCurvatureOperator`, `DiagonalCurvatureOperator`, ...). The default sees the
+        block as its dense matrix (a one-factor Kronecker operator on the flat parameters,
+        `O(slice_dim²)` memory): override it to keep a structure.
+
+        **Arguments:**
+
+        - `state`: the slice's state.
+        - `identity_weight`: the damping `λ` (a scalar in the statistics dtype).
+
+        **Returns:**
+
+        An `AbstractSliceCurvatureOperator` for `C + λ I`.
         """
         layout = ReshapeLayout(self.spec.param_shapes, (self.slice_dim,))
-        return KroneckerCurvatureOperator((self._to_dense(state),), identity_weight, layout)
+        return KroneckerCurvatureOperator((self.slice_to_dense_matrix(state),), identity_weight, layout)
 
     def _damped_operator(
         self, state: eqx.Module, identity_weight: ArrayLike

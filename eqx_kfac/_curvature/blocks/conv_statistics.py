@@ -26,7 +26,16 @@ from .statistics import statistics_dtype
 
 
 class ConvLayout(NamedTuple):
-    """The static facts about a conv layer that its blocks need."""
+    """The static facts about a conv layer that its blocks need (from `conv_layout`).
+
+    **Fields:**
+
+    - `dnums`: the convolution's `lax.ConvDimensionNumbers`.
+    - `kernel_spatial`: the kernel's spatial shape, in the order of the spatial dimensions.
+    - `in_channels`, `out_channels`: the channel counts.
+    - `num_locations`: the output locations per example.
+    - `has_bias`: whether the layer has a bias.
+    """
 
     dnums: lax.ConvDimensionNumbers
     kernel_spatial: tuple[int, ...]

@@ -59,7 +59,7 @@ class Diagonal(CurvatureBlock):
     ) -> tuple[Array, ...]:
         """This batch's curvature diagonal, one array per parameter (see the class docstring)."""
 
-    def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> DiagonalState:
+    def slice_init(self, exact_powers, approx_powers, cache_eigenvalues) -> DiagonalState:
         del exact_powers, approx_powers, cache_eigenvalues
         return DiagonalState(
             diagonals=tuple(
@@ -67,7 +67,7 @@ class Diagonal(CurvatureBlock):
             )
         )
 
-    def _update(
+    def slice_update_statistics(
         self,
         state: DiagonalState,
         data: EstimationData,
@@ -80,14 +80,14 @@ class Diagonal(CurvatureBlock):
             diagonals=tuple(d.update(s, ema_old, ema_new) for d, s in zip(state.diagonals, stats))
         )
 
-    def _eigenvalues(self, state: DiagonalState, use_cached: bool) -> Array:
+    def slice_eigenvalues(self, state: DiagonalState, use_cached: bool) -> Array:
         del use_cached
         return flatten_vector([d.value for d in state.diagonals])
 
-    def _to_dense(self, state: DiagonalState) -> Array:
-        return jnp.diag(self._eigenvalues(state, False))
+    def slice_to_dense_matrix(self, state: DiagonalState) -> Array:
+        return jnp.diag(self.slice_eigenvalues(state, False))
 
-    def _slice_operator(
+    def slice_operator(
         self, state: DiagonalState, identity_weight: ArrayLike
     ) -> DiagonalCurvatureOperator:
         return DiagonalCurvatureOperator(tuple(d.value for d in state.diagonals), identity_weight)

@@ -115,7 +115,7 @@ class AbstractEigenbasisKFAC(CurvatureBlock):
         rotate = KroneckerOperator(tuple(q.T for q in eigenvectors)).mv
         return jnp.sum(jnp.square(jax.vmap(rotate)(canonical)), axis=0) / batch_size
 
-    def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> EigenbasisState:
+    def slice_init(self, exact_powers, approx_powers, cache_eigenvalues) -> EigenbasisState:
         del exact_powers, approx_powers, cache_eigenvalues
         dims = self.kronecker.factor_dims
         return EigenbasisState(
@@ -124,7 +124,7 @@ class AbstractEigenbasisKFAC(CurvatureBlock):
             scaling=WeightedMovingAverage.zeros(dims, self.dtype),
         )
 
-    def _update(self, state, data, ema_old, ema_new, batch_size) -> EigenbasisState:
+    def slice_update_statistics(self, state, data, ema_old, ema_new, batch_size) -> EigenbasisState:
         stats = self.kronecker._factor_statistics(data, batch_size)
         moment = self._projected_second_moment(data, state.eigenvectors, batch_size)
         return EigenbasisState(
@@ -133,7 +133,7 @@ class AbstractEigenbasisKFAC(CurvatureBlock):
             scaling=state.scaling.update(moment, ema_old, ema_new),
         )
 
-    def _update_cache(
+    def slice_update_cache(
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
     ) -> EigenbasisState:
         del identity_weight, exact_powers, approx_powers, eigenvalues
@@ -147,14 +147,14 @@ class AbstractEigenbasisKFAC(CurvatureBlock):
             ),
         )
 
-    def _eigenvalues(self, state: EigenbasisState, use_cached: bool) -> Array:
+    def slice_eigenvalues(self, state: EigenbasisState, use_cached: bool) -> Array:
         del use_cached
         return jnp.reshape(state.scaling.value, (-1,))
 
-    def _to_dense(self, state: EigenbasisState) -> Array:
-        return self._slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
+    def slice_to_dense_matrix(self, state: EigenbasisState) -> Array:
+        return self.slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
 
-    def _slice_operator(
+    def slice_operator(
         self, state: EigenbasisState, identity_weight: ArrayLike
     ) -> EigenbasisCurvatureOperator:
         layout = KroneckerLayout(self.kronecker)

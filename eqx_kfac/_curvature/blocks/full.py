@@ -84,7 +84,7 @@ class Full(AbstractKroneckerFormBlock):
     def _full_statistics(self, data: EstimationData, batch_size: ArrayLike) -> Array:
         """This batch's dense curvature (see the class docstring)."""
 
-    def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> FullState:
+    def slice_init(self, exact_powers, approx_powers, cache_eigenvalues) -> FullState:
         exact_powers, approx_powers, inverse = solver_takes_inverse(
             self.solver, exact_powers, approx_powers
         )
@@ -108,11 +108,11 @@ class Full(AbstractKroneckerFormBlock):
     def _operand_layout(self) -> ReshapeLayout:
         return ReshapeLayout(self.spec.param_shapes, (self.slice_dim,))
 
-    def _update(self, state, data, ema_old, ema_new, batch_size) -> FullState:
+    def slice_update_statistics(self, state, data, ema_old, ema_new, batch_size) -> FullState:
         stats = self._full_statistics(data, batch_size)
         return FullState(matrix=state.matrix.update(stats, ema_old, ema_new), cache=state.cache)
 
-    def _update_cache(
+    def slice_update_cache(
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
     ) -> FullState:
         exact_powers, approx_powers, inverse = solver_takes_inverse(
@@ -127,7 +127,7 @@ class Full(AbstractKroneckerFormBlock):
         cache = FactorCache(eigh, state.cache.approx, solver_state)
         return FullState(matrix=state.matrix, cache=cache)
 
-    def _multiply_matpower(
+    def slice_multiply_matpower(
         self,
         state: FullState,
         vector: tuple[Array, ...],
@@ -151,12 +151,12 @@ class Full(AbstractKroneckerFormBlock):
             result = pi_adjusted_inverse([matrix], identity_weight, float(power)).mv(flat)
         return unflatten_vector(result, self.spec.param_shapes)
 
-    def _eigenvalues(self, state: FullState, use_cached: bool) -> Array:
+    def slice_eigenvalues(self, state: FullState, use_cached: bool) -> Array:
         if use_cached:
             return state.cache.eigh.values(self)[0]
         return kronecker_eigh([state.matrix.value]).eigenvalues[0]
 
-    def _to_dense(self, state: FullState) -> Array:
+    def slice_to_dense_matrix(self, state: FullState) -> Array:
         return state.matrix.value
 
 

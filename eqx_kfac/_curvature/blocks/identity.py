@@ -33,11 +33,11 @@ class ScaledIdentity(CurvatureBlock):
     scale: float = eqx.field(static=True, default=1.0)
     supported_tags: ClassVar[frozenset[str] | None] = None
 
-    def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> ScaledIdentityState:
+    def slice_init(self, exact_powers, approx_powers, cache_eigenvalues) -> ScaledIdentityState:
         del exact_powers, approx_powers, cache_eigenvalues
         return ScaledIdentityState()
 
-    def _update(
+    def slice_update_statistics(
         self,
         state: ScaledIdentityState,
         data: EstimationData,
@@ -48,15 +48,15 @@ class ScaledIdentity(CurvatureBlock):
         del data, ema_old, ema_new, batch_size
         return state
 
-    def _eigenvalues(self, state: ScaledIdentityState, use_cached: bool) -> Array:
+    def slice_eigenvalues(self, state: ScaledIdentityState, use_cached: bool) -> Array:
         del state, use_cached
         return jnp.full((self.slice_dim,), self.scale, self.dtype)
 
-    def _to_dense(self, state: ScaledIdentityState) -> Array:
+    def slice_to_dense_matrix(self, state: ScaledIdentityState) -> Array:
         del state
         return self.scale * jnp.eye(self.slice_dim, dtype=self.dtype)
 
-    def _slice_operator(
+    def slice_operator(
         self, state: ScaledIdentityState, identity_weight: ArrayLike
     ) -> ScaledIdentityCurvatureOperator:
         del state

@@ -49,7 +49,7 @@ class AbstractKroneckerFormBlock(CurvatureBlock):
     def _operand_layout(self) -> AbstractParameterLayout:
         """The arrangement of one slice's parameters into the array the factors act on."""
 
-    def _slice_operator(
+    def slice_operator(
         self, state: eqx.Module, identity_weight: ArrayLike
     ) -> KroneckerCurvatureOperator:
         return KroneckerCurvatureOperator(

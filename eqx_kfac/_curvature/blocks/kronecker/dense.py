@@ -4,11 +4,16 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array
 
 from ...._tracing.layer_data import LayerSpec
-from .._layer_stats import check_dense_spec, dense_layout
+from .._layer_stats import (
+    check_dense_spec,
+    dense_array_to_params,
+    dense_kronecker_factors,
+    dense_layout,
+    dense_params_to_array,
+)
 from .factored import KroneckerFactored
 
 
@@ -48,20 +53,10 @@ class DenseTwoKroneckerFactored(KroneckerFactored):
     # An n-d `(*in, *out)` weight (and `out`-shaped bias) is used as its `(in, out)` reshape.
 
     def _params_to_array(self, vector: tuple[Array, ...]) -> Array:
-        in_out, has_bias, n_in, n_out = dense_layout(self.spec)
-        weight = jnp.reshape(vector[0], (n_in, n_out)) if in_out else vector[0].T
-        if not has_bias:
-            return weight
-        return jnp.concatenate([weight, jnp.reshape(vector[1], (1, n_out))], axis=0)
+        return dense_params_to_array(self.spec, vector)
 
     def _array_to_params(self, array: Array) -> tuple[Array, ...]:
-        in_out, has_bias, n_in, _ = dense_layout(self.spec)
-        shapes = self.spec.param_shapes
-        weight = array[:n_in]
-        params = (jnp.reshape(weight, shapes[0]) if in_out else weight.T,)
-        if has_bias:
-            params += (jnp.reshape(array[n_in], shapes[1]),)
-        return params
+        return dense_array_to_params(self.spec, array)
 
     # An `(out, in)` weight (`eqx.nn.Linear`) is used as it is, with the bias as an extra column:
     # transposing it into the canonical `(in + 1, out)` array would copy it in every product.
@@ -82,14 +77,4 @@ class DenseTwoKroneckerFactored(KroneckerFactored):
         return (array[:, :n_in], array[:, n_in]) if has_bias else (array,)
 
     def _factor_statistics(self, data, batch_size) -> tuple[Array, ...]:
-        _, has_bias, n_in, n_out = dense_layout(self.spec)
-        (x,) = data.inputs
-        (dy,) = data.outputs_tangent
-        positions = int(np.prod(x.shape[1:-1], dtype=int))
-        # Explicit sizes: a `-1` cannot be inferred when a layer has zero inputs or outputs.
-        x = jnp.reshape(x.astype(self.dtype), (x.shape[0] * positions, n_in))
-        if has_bias:
-            x = jnp.concatenate([x, jnp.ones((x.shape[0], 1), self.dtype)], axis=1)
-        dy = jnp.reshape(dy.astype(self.dtype), (int(np.prod(dy.shape[:-1], dtype=int)), n_out))
-        return (x.T @ x / (batch_size * positions), dy.T @ dy / batch_size)
-
+        return dense_kronecker_factors(self.spec, data, batch_size, self.dtype)

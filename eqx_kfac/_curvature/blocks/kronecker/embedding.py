@@ -77,7 +77,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         vocab, features = self.spec.param_shapes[0]
         return vocab, features
 
-    def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> EmbeddingState:
+    def slice_init(self, exact_powers, approx_powers, cache_eigenvalues) -> EmbeddingState:
         vocab, features = self._sizes
         cache = FactorCache(
             eigh=EighCache.zeros(
@@ -95,7 +95,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             cache=cache,
         )
 
-    def _update(self, state, data: EstimationData, ema_old, ema_new, batch_size) -> EmbeddingState:
+    def slice_update_statistics(self, state, data: EstimationData, ema_old, ema_new, batch_size) -> EmbeddingState:
         vocab, features = self._sizes
         (ids,) = data.inputs
         (dy,) = data.outputs_tangent
@@ -110,11 +110,11 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             cache=state.cache,
         )
 
-    def _update_cache(
+    def slice_update_cache(
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
     ) -> EmbeddingState:
         eigh = state.cache.eigh.refreshed(self, [state.output_factor.value], exact_powers, eigenvalues)
-        operator = self._slice_operator(state, identity_weight)
+        operator = self.slice_operator(state, identity_weight)
         approx = state.cache.approx.refreshed(
             self, approx_powers, lambda p, _: operator.matpower(p, False).factors
         )
@@ -124,7 +124,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             cache=FactorCache(eigh, approx, None),
         )
 
-    def _multiply_matpower(
+    def slice_multiply_matpower(
         self,
         state: EmbeddingState,
         vector: tuple[Array, ...],
@@ -134,7 +134,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         use_cached: bool,
     ) -> tuple[Array, ...]:
         if not use_cached or power == 1:
-            operator = self._slice_operator(state, identity_weight)
+            operator = self.slice_operator(state, identity_weight)
             return operator.matpower(power, exact_power).mv(vector)
         if exact_power:
             eigh = state.cache.eigh.decomposition(self, f"exact power {power}")
@@ -147,21 +147,21 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         powered = state.cache.approx.get(self, power)
         return KroneckerCurvatureOperator(powered, 0.0, self._layout).mv(vector)
 
-    def _eigenvalues(self, state: EmbeddingState, use_cached: bool) -> Array:
+    def slice_eigenvalues(self, state: EmbeddingState, use_cached: bool) -> Array:
         if use_cached:
             (vals,) = state.cache.eigh.values(self)
         else:
             vals = kronecker_eigh([state.output_factor.value]).eigenvalues[0]
         return jnp.reshape(state.frequencies.value[:, None] * vals[None, :], (-1,))
 
-    def _to_dense(self, state: EmbeddingState) -> Array:
-        return self._slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
+    def slice_to_dense_matrix(self, state: EmbeddingState) -> Array:
+        return self.slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
 
     @property
     def _layout(self) -> ReshapeLayout:
         return ReshapeLayout(self.spec.param_shapes, self._sizes)
 
-    def _slice_operator(
+    def slice_operator(
         self, state: EmbeddingState, identity_weight: ArrayLike
     ) -> KroneckerCurvatureOperator:
         factors = (state.frequencies.value, state.output_factor.value)

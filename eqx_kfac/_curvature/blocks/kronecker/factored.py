@@ -127,7 +127,7 @@ class KroneckerFactored(AbstractKroneckerFormBlock):
     def _factor_statistics(self, data: EstimationData, batch_size: ArrayLike) -> tuple[Array, ...]:
         """This batch's Kronecker factors (see the class docstring)."""
 
-    def _init(self, exact_powers, approx_powers, cache_eigenvalues) -> KroneckerState:
+    def slice_init(self, exact_powers, approx_powers, cache_eigenvalues) -> KroneckerState:
         exact_powers, approx_powers, inverse = solver_takes_inverse(
             self.solver, exact_powers, approx_powers
         )
@@ -146,7 +146,7 @@ class KroneckerFactored(AbstractKroneckerFormBlock):
             cache=cache,
         )
 
-    def _update(self, state, data, ema_old, ema_new, batch_size) -> KroneckerState:
+    def slice_update_statistics(self, state, data, ema_old, ema_new, batch_size) -> KroneckerState:
         stats = self._factor_statistics(data, batch_size)
         return KroneckerState(
             factors=tuple(f.update(s, ema_old, ema_new) for f, s in zip(state.factors, stats)),
@@ -160,7 +160,7 @@ class KroneckerFactored(AbstractKroneckerFormBlock):
     def _operand_layout(self) -> "KroneckerLayout":
         return KroneckerLayout(self)
 
-    def _update_cache(
+    def slice_update_cache(
         self, state, identity_weight, exact_powers, approx_powers, eigenvalues
     ) -> KroneckerState:
         exact_powers, approx_powers, inverse = solver_takes_inverse(
@@ -180,7 +180,7 @@ class KroneckerFactored(AbstractKroneckerFormBlock):
         approx = state.cache.approx.refreshed(self, approx_powers, powered)
         return KroneckerState(factors=state.factors, cache=FactorCache(eigh, approx, solver_state))
 
-    def _multiply_matpower(
+    def slice_multiply_matpower(
         self,
         state: KroneckerState,
         vector: tuple[Array, ...],
@@ -226,15 +226,15 @@ class KroneckerFactored(AbstractKroneckerFormBlock):
         array, axes = self._params_to_product_array(vector)
         return self._product_array_to_params(apply_factors(powered, array, axes))
 
-    def _eigenvalues(self, state: KroneckerState, use_cached: bool) -> Array:
+    def slice_eigenvalues(self, state: KroneckerState, use_cached: bool) -> Array:
         if use_cached:
             values = state.cache.eigh.values(self)
         else:
             values = kronecker_eigh(self._kronecker_factors(state)).eigenvalues
         return kron_vectors(values)
 
-    def _to_dense(self, state: KroneckerState) -> Array:
-        return self._slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
+    def slice_to_dense_matrix(self, state: KroneckerState) -> Array:
+        return self.slice_operator(state, jnp.zeros((), self.dtype)).as_matrix()
 
 
 class KroneckerLayout(AbstractParameterLayout):

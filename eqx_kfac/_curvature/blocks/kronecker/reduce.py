@@ -9,8 +9,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array
 
 from ...._tracing.layer_data import EstimationData, LayerSpec
-from .._layer_stats import check_dense_spec, dense_layout
-from .dense import DenseTwoKroneckerFactored
+from .._layer_stats import check_dense_spec, dense_array_to_params, dense_layout, dense_params_to_array
 from .factored import KroneckerFactored
 
 
@@ -45,19 +44,15 @@ class DenseTwoKroneckerFactoredReduce(KroneckerFactored):
         check_dense_spec(self)
 
     @property
-    def _expand(self) -> DenseTwoKroneckerFactored:
-        """The expand block of the same layer, for the shared parameter layout."""
-        return DenseTwoKroneckerFactored(self.spec)
-
-    @property
     def factor_dims(self) -> tuple[int, ...]:
-        return self._expand.factor_dims
+        _, has_bias, n_in, n_out = dense_layout(self.spec)
+        return (n_in + has_bias, n_out)
 
     def _params_to_array(self, vector: tuple[Array, ...]) -> Array:
-        return self._expand._params_to_array(vector)
+        return dense_params_to_array(self.spec, vector)
 
     def _array_to_params(self, array: Array) -> tuple[Array, ...]:
-        return self._expand._array_to_params(array)
+        return dense_array_to_params(self.spec, array)
 
     def _factor_statistics(self, data: EstimationData, batch_size: ArrayLike) -> tuple[Array, ...]:
         _, has_bias, n_in, n_out = dense_layout(self.spec)
