@@ -1,9 +1,11 @@
 """The step guard: whether a proposed update is applied, and what happens when none is for long,
 or when the applied ones stop changing the parameters.
 
-A step is *skipped* when its loss, gradient or update is not finite, and *rejected* (with step
-rejection) when the loss on its batch rises after the update. Either way the parameters and the
-step rule's state stay as they were. An applied step *stalls* when its update is below the
+A step is *skipped* when its loss, gradient or update is not finite, or its batch has a class
+label outside `[0, classes)` on an example a categorical loss does not mask out (an invalid label,
+which the user's loss would read as another class), and *rejected* (with step rejection) when the
+loss on its batch rises after the update. Either way the parameters and the step rule's state
+stay as they were. An applied step *stalls* when its update is below the
 parameters' resolution (it is zero, or its norm is at most `eps` of their dtype times theirs).
 The guard counts faults and stalls in a row and stops the run with an error that says what
 happened once there are `max_consecutive_faults` (or `max_consecutive_stalls`) of them, instead of
@@ -58,7 +60,8 @@ class GuardDecision(eqx.Module):
     **Fields:**
 
     - `applied`: the update is applied.
-    - `skipped`: it is not, because the loss, gradient or update is not finite.
+    - `skipped`: it is not, because the loss, gradient or update is not finite, or a label of
+      the batch is invalid.
     - `rejected`: it is not, because the loss on the step's batch rose (step rejection).
     - `stall_cause`: `0` unless the step is applied and stalls: `1` the gradient is zero, `2` the
       update is zero though the gradient is not (a learning rate of 0), `3` the update is not zero
@@ -80,11 +83,15 @@ class GuardDecision(eqx.Module):
 
 _FAULTS_MESSAGE = (
     "eqx_kfac: {n} consecutive steps were not applied{first}: each was skipped (a loss, gradient "
-    "or update that was not finite) or rejected (its loss on the batch rose after the update). "
-    "None of these {n} steps changed the parameters or the momentum (velocity). {before} Check the batches for NaN or Inf (a label outside the classes or an empty "
-    "batch gives a NaN loss), the model's numerics (overflow in float16/bfloat16), the learning "
-    "rate and its schedule, the loss's scale and the damping (raise initial_damping / "
-    "min_damping); stats['skipped'] and stats['rejected'] (Optimizer), or the optimizer state's "
+    "or update that was not finite, or invalid labels: a class label outside [0, classes) of a "
+    "registered categorical loss, e.g. -1 for padding, on an example it does not mask out) or "
+    "rejected (its loss on the batch rose after the update). "
+    "None of these {n} steps changed the parameters or the momentum (velocity). {before} Check the "
+    "batches for NaN or Inf (an empty batch gives a NaN loss) and for invalid labels (give such "
+    "examples mask=0 in the register_* call, or drop them), the model's numerics (overflow in "
+    "float16/bfloat16), the learning rate and its schedule, the loss's scale and the damping "
+    "(raise initial_damping / min_damping); stats['skipped'], stats['invalid_targets'] and "
+    "stats['rejected'] (Optimizer), or the optimizer state's "
     "guard_state (kfac_optax, skip_non_finite), show which. Rejected steps in a row are also what "
     "a run on one fixed batch can do once it has converged, when its loss is near zero and rounds "
     "by more than `rounding_tolerance` (StepGuard) units in its last place (e.g. an exact fit); "
@@ -167,8 +174,8 @@ class StepGuard(eqx.Module):
 
     **Fields:**
 
-    - `skip_non_finite`: skip a step whose loss, gradient or update is not finite (else it is
-      applied as it is).
+    - `skip_non_finite`: skip a step whose loss, gradient or update is not finite, or whose batch
+      has an invalid label (else it is applied as it is).
     - `reject_loss_increase`: reject a step whose loss on the same batch rises after the update,
       or is not finite there (kfac-jax's `use_step_rejection`; costs one more evaluation of the
       loss per step).
@@ -210,6 +217,7 @@ class StepGuard(eqx.Module):
         delta: PyTree[Array],
         new_loss: Float[Array, ""] | None,
         params: PyTree | None = None,
+        targets_in_range: Bool[Array, ""] | None = None,
     ) -> GuardDecision:
         """The decision on one step.
 
@@ -221,6 +229,8 @@ class StepGuard(eqx.Module):
           `reject_loss_increase`, else ignored).
         - `params`: the parameters before the update, for the stall check (`None`: only a zero
           update stalls).
+        - `targets_in_range`: whether the batch's labels are valid (`Preconditioner.targets_in_range`;
+          `None`: not checked).
 
         **Returns:**
 
@@ -230,6 +240,8 @@ class StepGuard(eqx.Module):
         if self.skip_non_finite:
             # `all_finite(grads)` is the step's own check of the gradient, which XLA computes once.
             skipped = ~(jnp.isfinite(loss) & all_finite(grads) & all_finite(delta))
+            if targets_in_range is not None:
+                skipped |= ~targets_in_range
         else:
             skipped = jnp.zeros((), bool)
         if self.reject_loss_increase:

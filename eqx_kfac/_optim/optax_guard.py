@@ -1,9 +1,9 @@
 """The step guard around an optax transformation: `skip_non_finite`, and `kfac_optax`'s guard.
 
 The same `StepGuard` as `Optimizer`'s decides each update: skipped when the loss, the incoming
-gradient or the outgoing update is not finite, rejected (with step rejection, which needs the
-loss) when the loss on the batch rises after the update, and counted as a stall when it is below
-the parameters' resolution. Called outside a trace the update runs as one compiled program and
+gradient or the outgoing update is not finite, or (`kfac_optax`) a class label of the batch is
+invalid, rejected (with step rejection, which needs the loss) when the loss on the batch rises
+after the update, and counted as a stall when it is below the parameters' resolution. Called outside a trace the update runs as one compiled program and
 the guard's counts are checked in Python after it; inside a trace, in the program (`checked`).
 """
 
@@ -65,9 +65,13 @@ class GuardedTransform(eqx.Module):
     - `loss`: `loss(params, extra_args)`, the loss on the step's batch at `params` (`None`: only
       the `value=` passed to `update`, and no step rejection).
     - `velocity`: where the inner state keeps the momentum, or `None`.
-    - `advance_on_fault`: a step that is not applied but whose loss and gradient are finite keeps
-      only the momentum and lets the rest of the inner state (counters, curvature statistics)
-      move on, as `Optimizer` does; otherwise it keeps the whole inner state.
+    - `advance_on_fault`: a step that is not applied but whose loss and gradient are finite (and
+      labels valid) keeps only the momentum and lets the rest of the inner state (counters,
+      curvature statistics) move on, as `Optimizer` does; otherwise it keeps the whole inner
+      state.
+    - `targets_in_range`: `targets_in_range(params, extra_args)`, whether the step's batch has no
+      invalid label (`Preconditioner.targets_in_range`; `None`: not checked). A batch with one is
+      skipped and keeps the whole inner state.
     """
 
     inner: optax.GradientTransformationExtraArgs
@@ -75,6 +79,7 @@ class GuardedTransform(eqx.Module):
     loss: Callable[[Any, dict[str, Any]], Any] | None = None
     velocity: Callable[[Any], Any] | None = None
     advance_on_fault: bool = eqx.field(static=True, default=False)
+    targets_in_range: Callable[[Any, dict[str, Any]], Any] | None = None
 
     def init(self, params: PyTree) -> SkipNonFiniteState:
         return SkipNonFiniteState(self.inner.init(params), self.guard.init())
@@ -103,10 +108,13 @@ class GuardedTransform(eqx.Module):
         if self.guard.reject_loss_increase:
             new_loss = self.loss(optax.apply_updates(params, new_updates), extra_args)
         loss = jnp.zeros(()) if value is None else jnp.asarray(value)
-        decision = self.guard.decide(loss, updates, new_updates, new_loss, params)
+        valid = None if self.targets_in_range is None else self.targets_in_range(params, extra_args)
+        decision = self.guard.decide(loss, updates, new_updates, new_loss, params, valid)
         applied = decision.applied
         new_updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.zeros_like(u)), new_updates)
         batch_finite = jnp.isfinite(loss) & all_finite(updates)
+        if valid is not None:
+            batch_finite &= valid
         guard_state = self.guard.update(state.guard_state, decision)
         if check:
             guard_state = self.guard.checked(guard_state)

@@ -210,7 +210,9 @@ def kfac_preconditioner(
       batch.
 
     **Faults.** A step whose gradient, or loss passed as `value=` (optax's convention), is not
-    finite folds nothing into the curvature and leaves the cached inverses as they are; a batch whose statistics are not finite (e.g. inputs so
+    finite, or whose batch has a class label outside `[0, classes)` on an example a registered
+    categorical loss does not mask out (your loss would read -1 as the last class), folds nothing
+    into the curvature and leaves the cached inverses as they are; a batch whose statistics are not finite (e.g. inputs so
     large that a second moment overflows) or grow beyond `max_statistics_growth` (an outlier
     batch, e.g. inputs 1e10 times their usual size) is not folded in either. The preconditioned gradient
     itself is returned as it is: wrap the chain in `eqx_kfac.skip_non_finite` (or use
@@ -293,6 +295,15 @@ class _PreconditionerTransform(eqx.Module):
             )
         return jax.random.key(0) if key is None else key
 
+    def targets_in_range(self, params: PyTree, extra_args: dict[str, Any]) -> Array:
+        """Whether the batch of `update`'s `extra_args` has no invalid label
+        (`Preconditioner.targets_in_range`), for `kfac_optax`'s guard."""
+        func_args = _func_args(
+            self.static_model, self.num_loss_args, params, extra_args.get("batch"),
+            extra_args.get("loss_args"),
+        )
+        return self.preconditioner.targets_in_range(self.estimator, func_args)
+
     # Called eagerly, one compiled program (`compiled`): run one operation at a time, the
     # periodic refreshes (`lax.while_loop`s) compiled again at every call.
     @compiled
@@ -310,7 +321,7 @@ class _PreconditionerTransform(eqx.Module):
         key = self._key(key)
         preconditioner, estimator = self.preconditioner, self.estimator
         grads = eqx.filter(updates, eqx.is_inexact_array)
-        finite = all_finite(grads)
+        finite = all_finite(grads) & preconditioner.targets_in_range(estimator, func_args)
         if value is not None:
             finite &= jnp.isfinite(value)
         damping = self.damping(state.count) if callable(self.damping) else self.damping
@@ -370,11 +381,13 @@ def kfac_optax(
 
     **Faults** (the "Faults and safeguards" table of the Optimizer page shows both paths):
 
-    - A step whose loss, gradient or update is not finite (a NaN batch, a label outside the
-      classes, an empty batch, a curvature estimate that overflowed) is skipped: its updates are
-      zero. With a loss or gradient that is not finite the whole state stays as it was; with an
-      update that is not finite the momentum stays and the rest (counters, curvature statistics)
-      moves on, as in `Optimizer`. The loss is `value=` when given (optax's convention), else
+    - A step whose loss, gradient or update is not finite (a NaN batch, an empty batch, a
+      curvature estimate that overflowed), or whose batch has a class label outside
+      `[0, classes)` on an example a registered categorical loss does not mask out (an invalid
+      label, e.g. -1, which your loss would read as the last class), is skipped: its updates are
+      zero. With a loss or gradient that is not finite, or an invalid label, the whole state stays
+      as it was; with an update that is not finite the momentum stays and the rest (counters,
+      curvature statistics) moves on, as in `Optimizer`. The loss is `value=` when given (optax's convention), else
       `loss_fn` evaluated on the batch: a forward pass of its own called outside `jit`; inside
       one `jit` with your gradient XLA merges the two (a 64-256-256-10 MLP's step had the same
       FLOP count with and without `value=`).
@@ -409,11 +422,12 @@ def kfac_optax(
     `kfac_preconditioner`'s (and `value=`); its state is a `SkipNonFiniteState`.
     """
     example_args = tuple(example_args)
+    precondition = kfac_preconditioner(
+        loss_fn, example_args, damping=damping, norm_constraint=norm_constraint,
+        **preconditioner_kwargs,
+    )
     chain = optax.chain(
-        kfac_preconditioner(
-            loss_fn, example_args, damping=damping, norm_constraint=norm_constraint,
-            **preconditioner_kwargs,
-        ),
+        precondition,
         *([] if momentum is None else [optax.trace(momentum)]),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -430,6 +444,8 @@ def kfac_optax(
     guarded = GuardedTransform(
         optax.with_extra_args_support(chain), guard, loss,
         None if momentum is None else (lambda inner: inner[1]), advance_on_fault=True,
+        # The `_PreconditionerTransform` whose bound methods `kfac_preconditioner` returned.
+        targets_in_range=precondition.init.__self__.targets_in_range,
     )
     # One compiled program builds the whole chain's state (see `_PreconditionerTransform.init`),
     # and, called eagerly, one takes the whole update (`GuardedTransform.update`).

@@ -4,7 +4,8 @@ One step, in kfac-jax's order: loss and gradient; damping; curvature updates (wi
 step 0) and the cache refresh; direction; proposed update; the guard's decision (skip a step that
 is not finite, reject one that raises the loss); damping adaptation. What each outcome keeps:
 
-- loss or gradient not finite: nothing changes but the guard's count of faults;
+- loss or gradient not finite, or a class label of the batch outside `[0, classes)` on an
+  example its categorical loss does not mask out: nothing changes but the guard's count of faults;
 - update not finite, or rejected: parameters and step-rule state (velocity) are kept; the
   curvature statistics take the batch, the damping reacts, the counters advance;
 - applied: everything moves on.
@@ -101,7 +102,7 @@ def _refreshed_curvature(
     identity_weight: Array, burnin_in_graph: bool, params: Any, func_state: Any, batch: Any,
 ) -> Any:
     """The estimator state after this step's curvature updates and cache refresh (none of them
-    on a step whose loss or gradient is not finite)."""
+    where `finite` is false: a loss or gradient that is not finite, or an invalid label)."""
     preconditioner, estimator = optimizer.preconditioner, context.estimator
     estimator_state = preconditioner.update_curvature(
         estimator, context.estimator_state, context.step, finite, key,
@@ -145,7 +146,12 @@ def step_body(
             optimizer, params, state, rng, batch, func_state, given, calibrating
         )
     guard = optimizer.guard
-    finite = jnp.isfinite(context.loss) & all_finite(context.grads) if guard.skip_non_finite else None
+    valid = optimizer.preconditioner.targets_in_range(
+        context.estimator, context.func_args, optimizer.axis_name
+    )
+    finite = (
+        jnp.isfinite(context.loss) & all_finite(context.grads) & valid if guard.skip_non_finite else None
+    )
     damping = optimizer.damping_rule.value(state.damping_state, context)
     identity_weight = optimizer.l2_reg + damping
     estimator_state = _refreshed_curvature(
@@ -161,7 +167,7 @@ def step_body(
     candidate = _apply(params, proposal.delta)
     with jax.named_scope("eqx_kfac.guard"):
         new_loss = context.loss_at(candidate) if guard.reject_loss_increase else None
-        decision = guard.decide(context.loss, context.grads, proposal.delta, new_loss, params)
+        decision = guard.decide(context.loss, context.grads, proposal.delta, new_loss, params, valid)
     outcome = StepOutcome(
         proposal.delta, candidate, proposal.coefficients.quad_change, new_loss, decision.applied,
         ~decision.applied,
@@ -190,7 +196,7 @@ def step_body(
         loss=context.loss, new_loss=report.new_loss, learning_rate=proposal.coefficients.learning_rate,
         momentum=proposal.coefficients.momentum, damping=damping, rho=report.rho,
         quad_model_change=report.quad_change, skipped=decision.skipped, rejected=decision.rejected,
-        stalled=decision.stalled,
+        stalled=decision.stalled, invalid_targets=~valid,
         curvature_update_dropped=estimator_state.dropped_updates > state.estimator_state.dropped_updates,
         **direction.stats, **({} if aux is None else {"aux": aux}),
         **_norms(optimizer, new_params, context.grads, direction.direction, proposal.delta),

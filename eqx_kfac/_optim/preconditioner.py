@@ -233,6 +233,32 @@ class Preconditioner(eqx.Module):
         # the same values, and the trace the estimator made already.
         check_loss_values(estimator.func, loss_of, func_args, batch_size)
 
+    def targets_in_range(
+        self,
+        estimator: BlockDiagonalCurvature,
+        func_args: Sequence[Any],
+        axis_name: Hashable | None = None,
+    ) -> Bool[Array, ""]:
+        """Whether the batch's targets are in range for every registered loss (no class label
+        outside `[0, classes)` on an example a categorical loss does not mask out), on every
+        device of `axis_name`: a step without it is skipped like a non-finite one, since the
+        user's loss would read such a label as another class (e.g. -1 as the last).
+
+        **Arguments:**
+
+        - `estimator`: the estimator.
+        - `func_args`: the loss function's arguments.
+        - `axis_name`: the data axis inside a multi-device step.
+
+        **Returns:**
+
+        A boolean scalar.
+        """
+        valid = estimator.targets_in_range(func_args)
+        if axis_name is None:
+            return valid
+        return jax.lax.pmin(valid.astype(jnp.int32), axis_name) == 1
+
     def init(self, estimator: BlockDiagonalCurvature, key: PRNGKeyArray | None = None) -> EstimatorState:
         """The estimator's state, with the direction's powers cached when the schedule caches."""
         exact, approx = self.direction.powers_to_cache() if self.refresh.use_cached else (None, None)

@@ -6,7 +6,9 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import lineax as lx
+from jaxtyping import Array, Bool
 
 from ..blocks import (
     Conv2DTwoKroneckerFactored,
@@ -19,7 +21,7 @@ from ..blocks import (
 from ..blocks._solver_cache import check_solver_choice, SolverChoice
 from ..._tracing.graph_matcher import auto_register_tags as _auto_register_tags
 from ..._tracing.layer_data import EstimationData, LayerSpec
-from ..._tracing.tracer import layer_tags_vjp, trace
+from ..._tracing.tracer import layer_tags_vjp, registered_losses, trace
 from .fallbacks import check_on_unmatched, report_fallbacks
 from .loss_checks import warn_about_registrations
 from .base import (
@@ -264,6 +266,25 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
         self.params_treedef, self.param_paths, self.param_shapes, _ = parameter_layout(
             example_args[params_index]
         )
+
+    def targets_in_range(self, func_args: Sequence[Any]) -> Bool[Array, ""]:
+        """Whether the targets of every registered loss at `func_args` are ones it is defined on
+        (`LossFunction.targets_in_range`: class labels in `[0, classes)` on the examples a
+        categorical loss does not mask out).
+
+        It evaluates the registered losses alone: inside `jit`, XLA removes the parts of the
+        forward pass that the targets do not need (all of it, for targets read from the batch).
+
+        **Arguments:**
+
+        - `func_args`: the function's arguments.
+
+        **Returns:**
+
+        A boolean scalar.
+        """
+        losses = registered_losses(self.func, func_args, self.params_index)
+        return jnp.all(jnp.stack([loss.targets_in_range() for loss in losses]))
 
     def _check_same_layers(self, specs: Sequence[LayerSpec]) -> None:
         def describe(spec: LayerSpec) -> tuple[Any, ...]:

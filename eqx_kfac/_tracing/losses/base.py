@@ -23,7 +23,7 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, ArrayLike, Bool, PRNGKeyArray, PyTree, Real
 
 
 
@@ -197,6 +197,14 @@ class LossFunction(eqx.Module):
         return eqx.tree_at(
             lambda loss: tuple(getattr(loss, f) for f in fields), self, tuple(new_inputs)
         )
+
+    def targets_in_range(self) -> Bool[Array, ""]:
+        """Whether every target on an example the loss keeps is one it is defined on: always,
+        unless the targets have a range (class labels; the categorical loss overrides this).
+
+        **Returns:** a boolean scalar.
+        """
+        return jnp.asarray(True)
 
     @abc.abstractmethod
     def evaluate_unweighted(self, targets: Array) -> Array:

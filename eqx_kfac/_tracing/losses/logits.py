@@ -220,6 +220,11 @@ class CategoricalLogitsNegativeLogProbLoss(_AbstractCategoricalLoss):
             return jnp.zeros((), jnp.int32)
         return jnp.sum(self._out_of_range(self.targets))
 
+    def targets_in_range(self) -> Bool[Array, ""]:
+        """Whether every example not masked out has a label in `[0, classes)` (true without
+        targets): a step on a batch without it is skipped."""
+        return self.targets_out_of_range() == 0
+
     def sample(self, key: PRNGKeyArray) -> Array:
         return self._sample_classes(key)
 
