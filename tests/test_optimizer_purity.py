@@ -154,18 +154,21 @@ def test_without_skipping_non_finite_values_propagate():
     assert np.isnan(np.asarray(params.layers[0].weight)).any()
 
 
-def test_registration_report_is_logged_once(caplog):
+def test_registration_report_is_logged_at_each_init_not_at_steps(caplog):
     # The estimators are cached per loss function, configuration and signature, across optimizers
-    # (other tests build them for PROBLEM.loss_fn): a loss of its own is built here first.
+    # (other tests build them for PROBLEM.loss_fn): a loss of its own is built here first. Each
+    # `init` reports, from the cache too (tests/test_reports.py); a step's trace does not.
     def loss_fn(*args):
         return PROBLEM.loss_fn(*args)
 
     opt = Optimizer(eqx.filter_value_and_grad(loss_fn), l2_reg=0.0)
     with caplog.at_level(logging.INFO, logger="eqx_kfac"):
         opt.init(PROBLEM.params, jax.random.key(0), BATCH)
-        opt.init(PROBLEM.params, jax.random.key(1), BATCH)
+        state = opt.init(PROBLEM.params, jax.random.key(1), BATCH)
+        opt.step(PROBLEM.params, state, jax.random.key(2), batch=BATCH, learning_rate=0.1,
+                 momentum=0.0, damping=0.1)
     records = [r for r in caplog.records if r.name == "eqx_kfac"]
-    assert len(records) == 1
+    assert len(records) == 2 and records[0].getMessage() == records[1].getMessage()
     message = records[0].getMessage()
     assert "layers[0].weight" in message and "DenseTwoKroneckerFactored" in message
 
