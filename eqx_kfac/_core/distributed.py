@@ -21,9 +21,10 @@ optimizer's step reads the same for one and many devices.
 (`spmd_call`), written as for one device, and JAX's SPMD partitioner splits it over the mesh: the
 batch along its first axis over the data axis, the optimizer state by `sharding_by_size` over every
 axis of the mesh (each mesh axis splitting an array axis it divides evenly, the stack of stacked
-factors first), the parameters as the caller placed them. No array of the state is whole on any
-device between steps; the partitioner gathers a factor where a computation needs all of it (a
-factorisation) and reduces the statistics of the batch shards into their owners' shards.
+factors first), the parameters as the caller placed them (by `sharding_by_size` if on one
+device). No array of the state is whole on any device between steps; the partitioner gathers a
+factor where a computation needs all of it (a factorisation) and reduces the statistics of the
+batch shards into their owners' shards.
 """
 
 import heapq
@@ -318,6 +319,61 @@ def sharded_call(
     )
     out_dynamic = mapped(dynamic)
     return eqx.combine(out_dynamic, out_static[0])
+
+
+def placed_on_mesh(
+    args: Sequence[Any],
+    mesh: Mesh,
+    axis_name: Hashable,
+    batch_index: int,
+    is_state: Callable[[Any], bool] | None = None,
+) -> tuple[Any, ...]:
+    """`args` placed on `mesh` as the multi-device step's program returns its outputs (call outside
+    `jit`, before the program): `args[batch_index]` split by `batch_sharding`; with `is_state`
+    (the SPMD step) the optimizer states laid out by `sharding_by_size` and the arrays the caller
+    placed on `mesh` kept as they are; every other array replicated over `mesh`.
+
+    JAX keys its compiled programs by the arguments' shardings too: the caller's arrays (on one
+    device) at the first step and the previous step's outputs (on the mesh) afterwards would
+    otherwise compile the step twice. An array placed so already is not copied. With several
+    processes (a mesh not all of whose devices are this process's) the arguments are left as they
+    are; a batch that does not split evenly raises `ValueError` (`check_even_split`).
+
+    **Arguments:**
+
+    - `args`: the arguments of the program (global arrays).
+    - `mesh`: the mesh.
+    - `axis_name`: the data axis.
+    - `batch_index`: position of the batch among `args`.
+    - `is_state`: which subtrees are optimizer states (the SPMD step's), or `None` (the
+      `shard_map` step's: every argument but the batch replicated).
+
+    **Returns:**
+
+    The arguments, placed.
+    """
+    check_even_split(args[batch_index], mesh.shape[axis_name], axis_name)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    if not replicated.is_fully_addressable:
+        # (Several processes: a process-local array cannot be put on the global mesh here; `jit`
+        # places it.)
+        return tuple(args)
+
+    def other(x: Any) -> Any:
+        if is_state is None:
+            return replicated
+        if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh:
+            return x.sharding
+        return sharding_by_size(x, mesh)
+
+    dynamic, static = eqx.partition(tuple(args), eqx.is_array)
+    shardings = tuple(
+        batch_sharding(a, mesh, axis_name) if i == batch_index else jax.tree.map(other, a, is_leaf=is_state)
+        for i, a in enumerate(dynamic)
+    )
+    # (`jax.device_put`, not `eqx.filter_shard`: outside `jit` the latter compiles a program per
+    # array shape to apply its sharding constraint.)
+    return eqx.combine(jax.device_put(dynamic, shardings), static)
 
 
 # --- the sharded (SPMD) step ----------------------------------------------------------------

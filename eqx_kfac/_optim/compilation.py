@@ -86,6 +86,17 @@ def _maybe_sharded(optimizer: AbstractOptimizer, fn: Callable[..., Any], *args: 
     )
 
 
+def _placed(optimizer: AbstractOptimizer, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The step's (or a burn-in update's) arguments, `(params, state, rng, batch, ...)`, placed
+    on the mesh as the multi-device program returns its outputs (`placed_on_mesh`) when it is
+    called here, not inside a user's trace: the first step (the caller's arrays) and the next (the
+    first one's outputs) then run one compiled program; they compiled it twice."""
+    if not optimizer.multi_device or any_traced(args):
+        return args
+    is_state = _is_state if optimizer.shard_state else None
+    return _distributed.placed_on_mesh(args, device_mesh(optimizer), optimizer.pmap_axis_name, 3, is_state)
+
+
 def initial_state(
     optimizer: AbstractOptimizer, build: Callable[..., OptimizerState], *args: Any
 ) -> OptimizerState:
@@ -188,6 +199,7 @@ def _step_program(
 ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """The jitted step and the arguments it is called with, donating as configured (a
     calibration trial never donates)."""
+    args = _placed(optimizer, args)
     if calibrating or not optimizer.donated:
         call_args = (optimizer, args, burnin_in_graph, calibrating)
         return _program(optimizer, _jitted_step, "none", *call_args), call_args
@@ -287,5 +299,6 @@ def jitted_burnin(
 ) -> OptimizerState:
     """The burn-in's curvature update number `index` (`optimizer_step.burnin_update`), compiled
     once for every index with `burnin_options`, never donating."""
-    args = (optimizer, params, state, rng, batch, func_state, np.asarray(index, np.int32))
+    placed = _placed(optimizer, (params, state, rng, batch, func_state))
+    args = (optimizer, *placed, np.asarray(index, np.int32))
     return _program(optimizer, _jitted_burnin, "none", *args, options=burnin_options(optimizer))(*args)

@@ -1,0 +1,68 @@
+"""Under `multi_device=True` steps 0 and 1 run one compiled step program (issue 49).
+
+The first step's arguments are the caller's arrays, on one device; the next step's are the first
+step's outputs, on the mesh. JAX keys its compiled programs by the arguments' shardings, so the
+step compiled again at step 1 (21-30 s on the reporter's model) unless the step places its
+arguments as its outputs come back. Over the 4 host CPU devices of `tests/conftest.py`.
+"""
+
+import itertools
+
+import equinox as eqx
+import jax
+import optax
+import pytest
+
+import eqx_kfac
+
+
+def _batches():
+    for k in itertools.count():
+        a, b = jax.random.split(jax.random.key(k))
+        yield jax.random.normal(a, (16, 4)), jax.random.randint(b, (16,), 0, 3)
+
+
+@pytest.mark.parametrize(
+    "feed, shard_state", [("batch", False), ("data_iterator", False), ("data_iterator", True)]
+)
+def test_one_step_program_from_step_0_on(feed, shard_state):
+    traces = []
+
+    def loss(model, batch):
+        traces.append(None)
+        x, y = batch
+        logits = jax.vmap(model)(x)
+        eqx_kfac.register_softmax_cross_entropy_loss(logits, y)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    optimizer = eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=2, multi_device=True,
+        shard_state=shard_state,
+    )
+    batches = _batches()
+    params = eqx.nn.MLP(4, 3, 8, 1, key=jax.random.key(0))
+    first = next(_batches())
+    state = optimizer.init(params, jax.random.key(1), first)
+    compiles = []
+
+    def listener(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        counts = []
+        for i in range(3):
+            compiles.clear()
+            traces.clear()
+            feed_kwargs = {"data_iterator": batches} if feed == "data_iterator" else {"batch": first}
+            params, state, stats = optimizer.step(
+                params, state, jax.random.key(10 + i), learning_rate=0.1, momentum=0.5, damping=1e-2,
+                **feed_kwargs,
+            )
+            counts.append((len(compiles), len(traces)))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert counts[0][0] > 0 and counts[0][1] > 0  # step 0 traced and compiled the step
+    assert counts[1:] == [(0, 0), (0, 0)]
+    assert int(stats["step"]) == 3
