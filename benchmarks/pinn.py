@@ -3,6 +3,7 @@
     python benchmarks/pinn.py --plot-dir docs/img      # the four problems, full budgets (~95 min)
     python benchmarks/pinn.py --quick                  # a third of the budgets, fewer points
     python benchmarks/pinn.py --problems new           # three PDEs the defaults were not tuned on
+    python benchmarks/pinn.py --compilation-cache DIR  # a second run loads the compiled programs
     python benchmarks/pinn.py --problems poisson2d --budget 60 --methods ENGD K-FAC* --seed 1
 
 The problems of Dangel, Müller and Zeinhofer (2024), with tanh MLPs in float64:
@@ -529,10 +530,16 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the checkpoints here")
     parser.add_argument("--seed", type=int, default=0, help="the network's initialisation key")
     parser.add_argument(
+        "--compilation-cache", default=None,
+        help="a persistent compilation cache directory: a later run loads what an earlier compiled",
+    )
+    parser.add_argument(
         "--resample", nargs="*", default=None, choices=list(PROBLEMS),
         help="draw fresh training points at every step on these problems (no names: all)",
     )
     args = parser.parse_args()
+    if args.compilation_cache:
+        eqx_kfac.enable_compilation_cache(args.compilation_cache)
     results = {}
     for name in [n for p in args.problems for n in (NEW_PROBLEMS if p == "new" else (p,))]:
         make, default_budget, skipped = PROBLEMS[name]
