@@ -449,6 +449,8 @@ class Optimizer(AbstractOptimizer):
         `new_loss`, `quad_model_change`, `step`, `data_seen`, `batch_size`, `skipped` (not applied:
         a loss, gradient or update that is not finite), `rejected` (not applied: the loss rose),
         `stalled` (applied, but below the parameters' resolution),
+        `invalid_targets` (a class
+        label outside `[0, classes)` on an unmasked example: the step is skipped),
         `curvature_update_dropped` (the batch's statistics were not finite), `aux` when the
         function has auxiliary outputs, and norms when requested.
         """

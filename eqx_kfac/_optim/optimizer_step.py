@@ -123,6 +123,25 @@ def _apply(params: PyTree, delta: PyTree) -> PyTree:
     return eqx.apply_updates(params, delta)
 
 
+def _next_state(
+    state: OptimizerState, step_rule_state: Any, damping_state: Any, estimator_state: Any,
+    batch_size: Any, finite: Any, decision: Any, guard_state: Any,
+) -> OptimizerState:
+    """The state after a step: moved on where the step was finite (the step rule's state only
+    where its update was applied), else kept but for the (already gated) estimator state; the
+    guard's state in any case."""
+    moved = OptimizerState(
+        step_rule_state=select_changed(decision.applied, step_rule_state, state.step_rule_state),
+        damping_state=damping_state, guard_state=state.guard_state,
+        estimator_state=estimator_state, examples_seen=state.examples_seen.add(batch_size),
+        step_counter=state.step_counter + 1, batch_signature=state.batch_signature,
+        params_signature=state.params_signature,
+    )
+    kept = eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
+    new_state = select_changed(finite, moved, kept)
+    return eqx.tree_at(lambda s: s.guard_state, new_state, guard_state)
+
+
 def step_body(
     optimizer: AbstractOptimizer, params: Any, state: OptimizerState, rng: PRNGKeyArray, batch: Any,
     func_state: Any, given: GivenValues, burnin_in_graph: bool, calibrating: bool = False,
@@ -179,17 +198,10 @@ def step_body(
     batch_size = _distributed.global_batch_size(
         context.implicit.batch_size(context.func_args), optimizer.axis_name
     )
-    moved = OptimizerState(
-        step_rule_state=select_changed(decision.applied, proposal.state, state.step_rule_state),
-        damping_state=damping_state, guard_state=state.guard_state,
-        estimator_state=estimator_state, examples_seen=state.examples_seen.add(batch_size),
-        step_counter=state.step_counter + 1, batch_signature=state.batch_signature,
-        params_signature=state.params_signature,
+    new_state = _next_state(
+        state, proposal.state, damping_state, estimator_state, batch_size, finite, decision,
+        guard.update(state.guard_state, decision),
     )
-    # The estimator state is gated already (its updates and refresh by `finite`).
-    kept = eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)
-    new_state = select_changed(finite, moved, kept)
-    new_state = eqx.tree_at(lambda s: s.guard_state, new_state, guard.update(state.guard_state, decision))
     new_params = select_changed(decision.applied, candidate, params)
     stats = dict(
         step=new_state.step_counter, batch_size=jnp.asarray(batch_size), data_seen=new_state.data_seen,

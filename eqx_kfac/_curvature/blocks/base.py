@@ -1,4 +1,4 @@
-"""The `CurvatureBlock` extension point and the matrix powers blocks cache.
+"""The `CurvatureBlock` extension point.
 
 A curvature block approximates the curvature (Fisher / GGN) of one registered layer. Blocks are
 immutable `eqx.Module`s built from a `LayerSpec`; everything that changes lives in a separate
@@ -36,29 +36,8 @@ from ..operators.curvature import (
 )
 from ..._core.linalg import map_slices
 from ..._tracing.layer_data import EstimationData, LayerSpec
+from .powers import normalize_powers as normalize_powers, Power as Power, PowersLike as PowersLike
 from .statistics import statistics_dtype
-
-
-Power = float | int
-PowersLike = float | int | Sequence[float | int] | None
-
-
-def normalize_powers(powers: PowersLike) -> tuple[float, ...]:
-    """Turns `None`, one power or several powers into a sorted tuple of distinct floats.
-
-    **Arguments:**
-
-    - `powers`: `None`, a real number, or a sequence of real numbers.
-
-    **Returns:**
-
-    A sorted tuple of distinct Python floats (empty for `None`).
-    """
-    if powers is None:
-        return ()
-    if isinstance(powers, (int, float)):
-        powers = (powers,)
-    return tuple(sorted({float(p) for p in powers}))
 
 
 def _fits(cls: type, tag: str) -> bool:

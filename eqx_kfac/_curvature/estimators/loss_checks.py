@@ -197,8 +197,8 @@ def _check_labels(labels: Sequence[Any]) -> None:
                 f"eqx_kfac: registered loss #{k} (a categorical loss) has {int(count)} labels outside "
                 "[0, classes) (e.g. -1 used as 'ignore') on examples it does not mask out. Give such "
                 "examples `mask=0` in the register_* call (a masked example may carry any label). "
-                "In a step, where the curvature reads the labels (`fisher_empirical`), such a label "
-                "gives a NaN loss and gradient, never a wrapped class."
+                "In a step, a batch with such a label is skipped (stats['invalid_targets']), "
+                "never trained on a wrapped class."
             )
 
 
