@@ -33,7 +33,7 @@ def register_residual_loss(
     **Precision.** A residual in less than float64 warns (`UserWarning`): the second-order
     optimizers of PINNs resolve errors far below float32's `1e-7` relative precision, and a
     small heat problem trained by K-FAC* reached an error of 8.6e-3 in float32 against 1.0e-3 in
-    float64. Enable float64 before building the model (`jax.config.update("jax_enable_x64",
+    float64 (issue 52). Enable float64 before building the model (`jax.config.update("jax_enable_x64",
     True)`) and give the points in float64.
 
     **Returns:**
