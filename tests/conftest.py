@@ -34,11 +34,13 @@ def _release_compiled_programs():
 
 @pytest.fixture
 def xla_compilations():
-    """A function `count(fn)`: how many programs XLA compiles while `fn()` runs, counted after
-    `jax.clear_caches()` (so nothing compiled earlier, by shape or otherwise, is reused)."""
+    """A function `count(fn, clear=True)`: how many programs XLA compiles while `fn()` runs,
+    counted after `jax.clear_caches()` (so nothing compiled earlier, by shape or otherwise, is
+    reused; `clear=False` keeps what was compiled)."""
 
-    def count(fn):
-        jax.clear_caches()
+    def count(fn, clear=True):
+        if clear:
+            jax.clear_caches()
         compiles = []
 
         def listener(event, seconds, **kwargs):

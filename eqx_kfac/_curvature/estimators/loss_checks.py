@@ -143,7 +143,9 @@ def _means_of(count: Any, shape: tuple[int, ...], batch_size: int) -> list[tuple
     if positions > 1:
         means.append((1 / positions, f"its {positions} positions per example", f"1/{positions}"))
     kept = None if count is None else float(count)
-    if kept and not math.isclose(kept, batch_size * positions):
+    # Against the loss's own examples (not `batch_size`, which an explicit `batch_size_extractor`
+    # may count otherwise): without a mask, or with nothing masked, there is no masked mean.
+    if kept and not math.isclose(kept, shape[0] * positions):
         what = f"its {kept:g} unmasked examples (the mask's sum)"
         means.append((batch_size / kept, what, f"{batch_size} / jnp.sum(mask)"))
     return means
