@@ -175,7 +175,11 @@ from ._optim.optax_transforms import (
     SkipNonFiniteState as SkipNonFiniteState,
 )
 from ._optim.optimizer import Optimizer as Optimizer
-from ._optim.optimizer_state import ExampleCount as ExampleCount, OptimizerState as OptimizerState
+from ._optim.optimizer_state import (
+    ExampleCount as ExampleCount,
+    load_state as load_state,
+    OptimizerState as OptimizerState,
+)
 from ._optim.preconditioner import (
     CurvatureOptions as CurvatureOptions,
     Preconditioner as Preconditioner,

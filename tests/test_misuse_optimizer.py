@@ -147,3 +147,26 @@ def test_complex_parameters_are_refused_on_both_paths():
         Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0).init(complex_model, KEY, BATCH)
     with pytest.raises(ValueError, match=match.format("eqx_kfac.kfac_preconditioner")):
         eqx_kfac.kfac_optax(loss, (complex_model, BATCH))
+
+
+def test_kfac_optax_refuses_a_state_of_another_configuration_and_loads_its_own(tmp_path):
+    """The same misuses on the optax path: a `kfac_optax` state of another configuration passed to
+    `update` (was the estimator's "no cached approximate power -1.0 ... call `update_cache`"),
+    and `eqx_kfac.load_state` of a state saved under another configuration (was Equinox's
+    `TreePathError`), while its own state loads bit for bit."""
+    params = eqx.filter(PROBLEM.params, eqx.is_inexact_array)
+    grads = eqx.filter_grad(PROBLEM.loss_fn)(PROBLEM.params, BATCH)
+    exact = eqx_kfac.kfac_optax(PROBLEM.loss_fn, (PROBLEM.params, BATCH), use_exact_inverses=True)
+    plain = eqx_kfac.kfac_optax(PROBLEM.loss_fn, (PROBLEM.params, BATCH))
+    exact_state = exact.init(params)
+    with pytest.raises(ValueError, match=r"another configuration.*use_exact_inverses.*"
+                                         r"`estimator_state\.block_states\[0\]\.cache\..*init\(params\)"):
+        plain.update(grads, exact_state, params, batch=BATCH, key=KEY)
+    eqx.tree_serialise_leaves(tmp_path / "exact.eqx", exact_state)
+    with pytest.raises(ValueError, match=r"in the file but .*another configuration"):
+        eqx_kfac.load_state(tmp_path / "exact.eqx", plain.init(params))
+    _, stepped = plain.update(grads, plain.init(params), params, batch=BATCH, key=KEY)
+    eqx.tree_serialise_leaves(tmp_path / "own.eqx", stepped)
+    loaded = eqx_kfac.load_state(tmp_path / "own.eqx", plain.init(params))
+    for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(stepped), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -23,6 +23,7 @@ from .._curvature.blocks import CurvatureBlock
 from .._curvature.blocks._solver_cache import SolverChoice
 from .._curvature.estimators import EstimatorState
 from .._tracing.layer_data import LayerSpec
+from .arguments import tree_difference
 from .direction import PreconditionedGradient
 from .guard import StepGuard
 from .optax_guard import check_restored, GuardedTransform, skip_non_finite, SkipNonFiniteState
@@ -286,6 +287,22 @@ class _PreconditionerTransform(eqx.Module):
             )
         )()
 
+    def _check_configuration(self, state: KFACPreconditionerState) -> None:
+        """Raises `ValueError` when `state` was made by a `kfac_preconditioner` of another
+        configuration (its blocks or their caches differ; checked once, when `update` is traced)."""
+        expected = eqx.filter_eval_shape(self.preconditioner.init, self.estimator)
+        difference = tree_difference(state.estimator_state, expected, "estimator_state", dtypes=False)
+        if difference is not None:
+            path, here, there = difference
+            raise ValueError(
+                "kfac_preconditioner: the state passed to update was made by a K-FAC "
+                "transformation of another configuration (their curvature blocks or caches differ: "
+                "use_exact_inverses, inverse_solver, layer_tag_to_block_ctor / "
+                f"index_to_block_ctor, inverse_update_period): `{path}` is {here} in it, {there} "
+                "in this transformation's state. Start from this optimizer's `init(params)`, or "
+                "load a saved state with `eqx_kfac.load_state(path, optimizer.init(params))`."
+            )
+
     def _key(self, key: PRNGKeyArray | None) -> PRNGKeyArray:
         mode = self.preconditioner.curvature.estimation_mode
         if key is None and not mode.endswith("_exact"):
@@ -317,6 +334,7 @@ class _PreconditionerTransform(eqx.Module):
         # Other transformations of a chain may take extra arguments of their own.
         del extra_args
         check_restored(state, KFACPreconditionerState, "kfac_preconditioner")
+        self._check_configuration(state)
         func_args = _func_args(self.static_model, self.num_loss_args, params, batch, loss_args)
         key = self._key(key)
         preconditioner, estimator = self.preconditioner, self.estimator

@@ -169,14 +169,17 @@ def _load_leaf(path: str, last: bool, f: io.IOBase, like: Any) -> Any:
     return value
 
 
-def load_state(path_or_file: str | pathlib.Path | io.IOBase, template: OptimizerState) -> OptimizerState:
+def load_state(path_or_file: str | pathlib.Path | io.IOBase, template: PyTree) -> PyTree:
     """`eqx.tree_deserialise_leaves(path_or_file, template)`, refused with a `ValueError` that
-    names the first leaf whose saved array does not fit (or a file with more arrays).
+    names the first leaf whose saved array does not fit (or a file with more arrays): a state
+    saved by an optimizer of another configuration. For any optimizer state: `Optimizer.load_state`
+    builds the template with `init`; for `kfac_optax` (or any optax chain holding
+    `kfac_preconditioner`), pass `optimizer.init(params)`.
 
     **Arguments:**
 
     - `path_or_file`: what `eqx.tree_serialise_leaves` wrote the state to.
-    - `template`: this optimizer's state (from `init`).
+    - `template`: this optimizer's state (from its `init`).
 
     **Returns:**
 
