@@ -170,3 +170,20 @@ def test_kfac_optax_refuses_a_state_of_another_configuration_and_loads_its_own(t
     loaded = eqx_kfac.load_state(tmp_path / "own.eqx", plain.init(params))
     for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(stepped), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_kfac_optax_refuses_a_model_of_another_activation():
+    """A whole model passed to `kfac_optax`'s `update` whose activation differs from
+    `example_args`' model: its curvature would be the other model's, silently (it was accepted)."""
+    tanh = eqx.nn.MLP(2, 3, 4, 1, activation=jnp.tanh, key=KEY)
+    relu = eqx.nn.MLP(2, 3, 4, 1, activation=jax.nn.relu, key=KEY)
+    x = jax.random.normal(KEY, (6, 2))
+    batch = (x, jnp.arange(6) % 3)
+    optimizer = eqx_kfac.kfac_optax(_loss, (tanh, batch))
+    state = optimizer.init(eqx.filter(tanh, eqx.is_inexact_array))
+    grads = eqx.filter_grad(_loss)(relu, batch)
+    with pytest.raises(ValueError, match=r"`model\.activation` is the function relu here, the function tanh "
+                                         r"in example_args"):
+        optimizer.update(grads, state, relu, batch=batch, key=KEY)
+    updates, _ = optimizer.update(grads, state, tanh, batch=batch, key=KEY)  # its own model is accepted
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))

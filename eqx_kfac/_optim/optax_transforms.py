@@ -98,6 +98,17 @@ def _func_args(
             "kfac_preconditioner: update needs the current parameters: call "
             "`update(grads, state, params, batch=..., key=...)`."
         )
+    rest = eqx.filter(params, eqx.is_inexact_array, inverse=True)
+    # A whole model passed as `params` must compute what `example_args`' model computes (its
+    # other leaves and static fields, e.g. an activation function, are those of `static_model`).
+    difference = tree_difference(rest, static_model, "model") if jax.tree.leaves(rest) else None
+    if difference is not None:
+        path, here, there = difference
+        raise ValueError(
+            f"kfac_preconditioner: the model passed to update computes something else than the "
+            f"model of example_args: `{path}` is {here} here, {there} in example_args. The curvature "
+            "is that of example_args' model: build the optimizer with this model in example_args."
+        )
     model = eqx.combine(eqx.filter(params, eqx.is_inexact_array), static_model)
     return (model, *_loss_args(num_loss_args, batch, loss_args))
 
