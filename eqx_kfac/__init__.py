@@ -56,13 +56,13 @@ from ._curvature.blocks.statistics import (
     statistics_dtype as statistics_dtype,
     sum_to_shape as sum_to_shape,
 )
-from ._curvature.operators.curvature.layout import (
+from ._curvature.operators.block_operators.layout import (
     flatten_vector as flatten_vector,
     unflatten_vector as unflatten_vector,
 )
 from ._tracing.losses.base import AbstractFisherAsGGNLoss as AbstractFisherAsGGNLoss
 from ._tracing.losses.custom import CustomLoss as CustomLoss, register_custom_loss as register_custom_loss
-from ._curvature.operators.curvature import (
+from ._curvature.operators.block_operators import (
     AbstractCurvatureOperator as AbstractCurvatureOperator,
     AbstractParameterLayout as AbstractParameterLayout,
     AbstractSliceCurvatureOperator as AbstractSliceCurvatureOperator,

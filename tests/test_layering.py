@@ -26,7 +26,7 @@ LAYERS = {
     "eqx_kfac._curvature.operators": 2,
     "eqx_kfac._curvature.solvers": 2,
     "eqx_kfac._curvature.patches": 2,
-    "eqx_kfac._curvature.operators.curvature": 3,
+    "eqx_kfac._curvature.operators.block_operators": 3,
     "eqx_kfac._curvature.blocks": 4,
     "eqx_kfac._curvature.estimators": 5,
     "eqx_kfac._curvature.operators.parameter_space": 5,

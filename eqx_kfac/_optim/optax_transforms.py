@@ -20,7 +20,7 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 from .._core.compiled import compiled
 from .._core.tree import all_finite
 from .._curvature.blocks import CurvatureBlock
-from .._curvature.blocks._solver_cache import SolverChoice
+from .._curvature.blocks.linear_solver import SolverChoice
 from .._curvature.estimators import EstimatorState
 from .._tracing.layer_data import LayerSpec
 from .arguments import tree_difference

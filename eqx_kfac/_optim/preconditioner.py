@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
-from .._core.cache import LRUCache
+from .._core.lru_cache import LRUCache
 from .._core.tree import abstract_arrays, signature
-from .._curvature.blocks._solver_cache import check_solver_choice, SolverChoice
+from .._curvature.blocks.linear_solver import check_solver_choice, SolverChoice
 from .._curvature.estimators import BlockDiagonalCurvature, EstimatorState
 from .._curvature.estimators.base import batch_size_of
 from .._curvature.estimators.distributed import distributed_update_cache

@@ -19,9 +19,9 @@ from jaxtyping import Array, Float
 from .._core.tree import all_finite
 from .._curvature.blocks import CurvatureBlock, DenseTwoKroneckerFactored, KroneckerLayout
 from .._curvature.blocks.base import Power
-from .._curvature.blocks.cache import PowerCache
+from .._curvature.blocks.cached_powers import PowerCache
 from .._curvature.blocks.statistics import WeightedMovingAverage
-from .._curvature.operators.curvature import KroneckerCurvatureOperator
+from .._curvature.operators.block_operators import KroneckerCurvatureOperator
 from .._curvature.operators.kronecker_powers import (
     kronecker_damped_matpower,
     kronecker_eigh,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.interpreters import partial_eval as pe
 from jaxtyping import Array, PyTree
 
-from .._core.cache import LRUCache
+from .._core.lru_cache import LRUCache
 from .layer_data import EstimationData
 from .tags import is_loss_tag_eqn
 from .traced import is_dynamic, LayerHook, LossHook, run_traced, TracedFunction

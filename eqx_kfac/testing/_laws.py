@@ -14,7 +14,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._curvature.blocks import CurvatureBlock
 from .._tracing.layer_data import EstimationData, LayerSpec
-from .._curvature.operators.curvature import unflatten_vector
+from .._curvature.operators.block_operators import unflatten_vector
 from .._curvature.operators.spectral import eigenvalues, frobenius_norm, logdet, matpower, trace
 from ._specs import batch_size, block_state, estimation_data, example_specs, random_vector
 

@@ -24,7 +24,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..operators.curvature import (
+from ..operators.block_operators import (
     AbstractCurvatureOperator,
     AbstractSliceCurvatureOperator,
     flatten_vector as flatten_vector,

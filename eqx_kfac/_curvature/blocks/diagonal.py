@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..operators.curvature import DiagonalCurvatureOperator
+from ..operators.block_operators import DiagonalCurvatureOperator
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ._layer_stats import (
     check_dense_spec,

@@ -19,7 +19,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..operators.curvature import EigenbasisCurvatureOperator
+from ..operators.block_operators import EigenbasisCurvatureOperator
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..operators.kronecker_powers import kronecker_eigh
 from ..operators.structured import KroneckerOperator

@@ -7,7 +7,7 @@ import equinox as eqx
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..operators.curvature import ReshapeLayout
+from ..operators.block_operators import ReshapeLayout
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..operators.kronecker_powers import kronecker_damped_matpower, kronecker_eigh, pi_adjusted_inverse
 from ._layer_stats import (
@@ -16,7 +16,7 @@ from ._layer_stats import (
     dense_gradient_samples,
     scale_and_shift_gradient_samples,
 )
-from ._solver_cache import (
+from .linear_solver import (
     refreshed_solver_state,
     solver_takes_inverse,
     zero_solver_state,
@@ -26,7 +26,7 @@ from .base import (
     Power,
     unflatten_vector,
 )
-from .cache import EighCache, FactorCache, PowerCache
+from .cached_powers import EighCache, FactorCache, PowerCache
 from .conv_statistics import check_conv_spec, conv_gradient_samples
 from .kronecker_form import AbstractKroneckerFormBlock
 from .statistics import (

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..operators.curvature import ScaledIdentityCurvatureOperator
+from ..operators.block_operators import ScaledIdentityCurvatureOperator
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from .base import CurvatureBlock
 

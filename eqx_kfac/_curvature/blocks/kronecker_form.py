@@ -2,7 +2,7 @@
 
 `Full` (one factor, its matrix, acting on the flat parameters) and `KroneckerFactored` (its
 factors, acting on the canonical array of its subclass) have this form. It gives them the lineax
-solver for power `-1` (the `solver` field; the cached solver state is in `_solver_cache.py`) and
+solver for power `-1` (the `solver` field; the cached solver state is in `linear_solver.py`) and
 their answers to `eqx_kfac.damped_block_operator` and `eqx_kfac.solve_block`: `K + λ·I` with `K`
 a PSD-tagged `KroneckerOperator`, solved on the canonical array.
 """
@@ -15,9 +15,9 @@ import lineax as lx
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ..operators.curvature import AbstractParameterLayout, KroneckerCurvatureOperator
+from ..operators.block_operators import AbstractParameterLayout, KroneckerCurvatureOperator
 from ..solvers.kronecker import KroneckerEigenSolver
-from ._solver_cache import damped_kronecker_operator, solver_inverse
+from .linear_solver import damped_kronecker_operator, solver_inverse
 from .base import CurvatureBlock, Power
 
 

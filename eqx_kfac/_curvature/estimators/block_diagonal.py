@@ -18,7 +18,7 @@ from ..blocks import (
     NaiveDiagonal,
     ScaleAndShiftDiagonal,
 )
-from ..blocks._solver_cache import check_solver_choice, SolverChoice
+from ..blocks.linear_solver import check_solver_choice, SolverChoice
 from ..._tracing.graph_matcher import auto_register_tags as _auto_register_tags
 from ..._tracing.layer_data import EstimationData, LayerSpec
 from ..._tracing.tracer import layer_tags_vjp, registered_losses, trace

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Inexact, PRNGKeyArray, PyTree
 from ..._core.compiled import compiled
 from ..blocks.statistics import WeightedMovingAverage
 from ..blocks.kronecker import KroneckerFactored
-from .curvature import (
+from .block_operators import (
     AbstractCurvatureOperator,
     KroneckerCurvatureOperator,
     StackedCurvatureOperator,

@@ -27,7 +27,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, PyTree
 
 from ..blocks import CurvatureBlock
-from ..blocks._solver_cache import SolverChoice
+from ..blocks.linear_solver import SolverChoice
 from ..estimators.base import AbstractCurvatureEstimator, EstimatorState, per_block
 
 

@@ -8,7 +8,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ...operators.curvature import (
+from ...operators.block_operators import (
     EigenbasisCurvatureOperator,
     KroneckerCurvatureOperator,
     ReshapeLayout,
@@ -16,7 +16,7 @@ from ...operators.curvature import (
 from ...._tracing.layer_data import EstimationData, LayerSpec
 from ...operators.kronecker_powers import kronecker_eigh
 from ..base import CurvatureBlock, Power
-from ..cache import EighCache, FactorCache, PowerCache
+from ..cached_powers import EighCache, FactorCache, PowerCache
 from ..statistics import WeightedMovingAverage
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array
 
-from ...operators.curvature import AbstractParameterLayout
+from ...operators.block_operators import AbstractParameterLayout
 from ...._tracing.layer_data import EstimationData
 from ...operators.structured import (
     kron_vectors,
@@ -20,13 +20,13 @@ from ...operators.kronecker_powers import (
     pi_adjusted_inverse,
     refreshed_inverse_factors,
 )
-from .._solver_cache import (
+from ..linear_solver import (
     refreshed_solver_state,
     solver_takes_inverse,
     zero_solver_state,
 )
 from ..base import Power
-from ..cache import EighCache, FactorCache, PowerCache
+from ..cached_powers import EighCache, FactorCache, PowerCache
 from ..kronecker_form import AbstractKroneckerFormBlock
 from ..statistics import WeightedMovingAverage
 

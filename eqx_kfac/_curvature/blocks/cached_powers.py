@@ -168,7 +168,7 @@ class FactorCache(eqx.Module):
       for `Full`).
     - `approx`: per cached approximate power `p`, the damped factors raised to `p`.
     - `solver_state`: for a block whose `solver` caches power `-1`, the array part of the
-      solver's state (see `_solver_cache`); `None` otherwise.
+      solver's state (see `linear_solver`); `None` otherwise.
     """
 
     eigh: EighCache
