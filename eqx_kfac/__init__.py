@@ -174,6 +174,7 @@ from ._optim.optax_transforms import (
     skip_non_finite as skip_non_finite,
     SkipNonFiniteState as SkipNonFiniteState,
 )
+from ._optim.execution import MultiDevice as MultiDevice, StepOptions as StepOptions
 from ._optim.optimizer import Optimizer as Optimizer
 from ._optim.optimizer_state import (
     ExampleCount as ExampleCount,
@@ -263,3 +264,5 @@ from ._tracing.tracer import (
 )
 
 __version__ = "0.1.0"
+
+from . import kfac_jax as kfac_jax  # noqa: E402 -- kfac-jax's names, on the package above

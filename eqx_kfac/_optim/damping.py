@@ -131,6 +131,11 @@ class AbstractDampingRule(eqx.Module):
         """
 
     @abc.abstractmethod
+    def calibrates(self) -> bool:
+        """Whether a directly called first step calibrates this rule's initial damping first
+        (repeating the step's adaptation on its batch until the damping stops changing)."""
+        return False
+
     def check(self, given: GivenValues) -> None:
         """Raises `ValueError` when `step` got (or lacks) a `damping=` contrary to the rule."""
 
@@ -219,6 +224,9 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     - `include_damping_in_quad_change`: include the damping term in `Δq`.
     - `fault_increase`: the factor applied after a step that was not applied (`1` keeps the
       damping, as kfac-jax's default).
+    - `calibrate`: before the first step (called outside `jit`), repeat its damping adaptation
+      on its batch until the damping stops changing, at most 100 times (kfac-jax's
+      `use_initial_damping_calibration`).
     - `raise_at_once`: between the intervals, when the step computed both the loss after the
       update (step rejection) and the model's predicted change (adaptive coefficients), a `ρ`
       below `lower` raises the damping at once instead of at the next interval (decreases still
@@ -236,6 +244,7 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     include_damping_in_quad_change: bool = eqx.field(static=True, default=False)
     fault_increase: float = eqx.field(static=True, default=1.0)
     raise_at_once: bool = eqx.field(static=True, default=False)
+    calibrate: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         problems = []
@@ -256,6 +265,9 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
 
     def init(self, dtype):
         return DampingState(jnp.asarray(self.initial_damping, dtype))
+
+    def calibrates(self):
+        return self.calibrate
 
     def value(self, state, context):
         return state.damping

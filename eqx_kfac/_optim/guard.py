@@ -145,12 +145,11 @@ _STALL_CAUSES = (
 
 _CACHE_WARNING = (
     "eqx_kfac: JAX's persistent compilation cache is on, but this jitted step will not be stored "
-    "in it: the step guard's stop after max_consecutive_faults faults in a row is a host callback "
-    "(eqx.error_if), and JAX does not store programs that hold one, so every process compiles the "
-    "step again. To have it stored, pass max_consecutive_faults=None (to kfac_optax, "
-    "skip_non_finite or Optimizer) and call "
-    "eqx_kfac.check_consecutive_faults(opt_state, {n}) after each step; or call Optimizer.step "
-    "outside your own jit, where the check is made in Python."
+    "in it: StepGuard(stop_in_program=True) stops the run from inside the program with a host "
+    "callback (eqx.error_if), and JAX does not store programs that hold one, so every process "
+    "compiles the step again. To have it stored, leave stop_in_program off (the default) and "
+    "call eqx_kfac.check_consecutive_faults(state, {n}) (or Optimizer.check(state)) on the state "
+    "after each step."
 )
 
 
@@ -187,6 +186,11 @@ class StepGuard(eqx.Module):
       `inf` by step 2,500 with the limit off).
     - `max_consecutive_faults`: stop with an error after this many skipped or rejected steps in a
       row (`None`: never).
+    - `stop_in_program`: inside your own `jit`, stop with an error raised by the program (a host
+      callback, `eqx.error_if`). Off (the default), the step inside `jit` holds no host callback,
+      so it exports (`jax.export`, for GPUs and TPUs) and JAX's persistent compilation cache
+      stores it: call `Optimizer.check(state)` (or `eqx_kfac.check_consecutive_faults`) on the
+      returned state in Python instead. A directly called step checks in Python either way.
     - `max_consecutive_stalls`: stop with an error that names the cause after this many applied
       steps in a row whose update is below the parameters' resolution: zero, or of norm at most
       `eps` (of each parameter's dtype) times the parameters' norm (`None`: never; costs one pass
@@ -198,6 +202,7 @@ class StepGuard(eqx.Module):
     max_consecutive_faults: int | None = eqx.field(static=True, default=20)
     rounding_tolerance: float = eqx.field(static=True, default=32.0)
     max_consecutive_stalls: int | None = eqx.field(static=True, default=50)
+    stop_in_program: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         if not self.rounding_tolerance >= 0:
@@ -321,7 +326,8 @@ class StepGuard(eqx.Module):
     def checked(self, state: GuardState) -> GuardState:
         """`state`, raising at run time (inside `jit` too, through `eqx.branched_error_if`) when
         the faults or the stalls in a row reached their limit. The error is a host callback,
-        compiled in only with `max_consecutive_faults` (with `None` the program has none, and
+        compiled in only with `stop_in_program` and `max_consecutive_faults` (otherwise the
+        program has none, and
         `check_consecutive_faults` checks both counts in Python): JAX's persistent compilation
         cache does not store programs that contain one, so `Optimizer.step` and `kfac_optax`
         called directly check in Python (`check`) instead, and with the cache on, tracing this
@@ -337,7 +343,7 @@ class StepGuard(eqx.Module):
 
         The same state.
         """
-        if self.max_consecutive_faults is None:
+        if self.max_consecutive_faults is None or not self.stop_in_program:
             return state
         if persistent_cache_enabled():
             warnings.warn(_CACHE_WARNING.format(n=self.max_consecutive_faults), UserWarning, stacklevel=2)
@@ -352,7 +358,7 @@ class StepGuard(eqx.Module):
 
 
 def check_consecutive_faults(
-    state: PyTree, max_consecutive_faults: int, max_consecutive_stalls: int | None = 50
+    state: PyTree, max_consecutive_faults: int = 20, max_consecutive_stalls: int | None = 50
 ) -> None:
     """Raises `RuntimeError` when a step guard in `state` counts `max_consecutive_faults` or more
     steps in a row that were not applied (naming the first of them), or `max_consecutive_stalls`

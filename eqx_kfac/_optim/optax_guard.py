@@ -144,6 +144,7 @@ def skip_non_finite(
     max_consecutive_faults: int | None = 20,
     *,
     max_consecutive_stalls: int | None = 50,
+    stop_in_program: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation so that a step with anything non-finite changes nothing.
 
@@ -167,13 +168,15 @@ def skip_non_finite(
     - `max_consecutive_faults`: the number of skipped steps in a row that raises (`None`: not
       checked in the program, neither are the stalls; see above).
     - `max_consecutive_stalls`: the number of stalled steps in a row that raises (`None`: never).
+    - `stop_in_program`: inside your `jit`, raise from the program (see above).
 
     **Returns:**
 
     An `optax.GradientTransformationExtraArgs` whose state is a `SkipNonFiniteState`.
     """
     guard = StepGuard(
-        max_consecutive_faults=max_consecutive_faults, max_consecutive_stalls=max_consecutive_stalls
+        max_consecutive_faults=max_consecutive_faults, max_consecutive_stalls=max_consecutive_stalls,
+        stop_in_program=stop_in_program,
     )
     guarded = GuardedTransform(optax.with_extra_args_support(inner), guard)
     return optax.GradientTransformationExtraArgs(guarded.init, guarded.update)

@@ -378,6 +378,7 @@ def kfac_optax(
     use_step_rejection: bool = False,
     max_consecutive_faults: int | None = 20,
     max_consecutive_stalls: int | None = 50,
+    stop_in_program: bool = False,
     **preconditioner_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC as a ready optax optimizer: the recipe that trains every model of the zoo as it is.
@@ -430,9 +431,9 @@ def kfac_optax(
       `max_consecutive_faults` skipped or rejected steps in a row, or `max_consecutive_stalls`
       applied steps in a row whose update is below the parameters' resolution (e.g. a loss
       scaled by 1e-12), the update raises an error that names the first faulty step or the
-      cause: in Python after the update's compiled program when called outside `jit`, through a
-      host callback inside your `jit` (see `skip_non_finite` for the persistent compilation
-      cache).
+      cause, in Python after the update's compiled program when called outside `jit`. Inside your
+      `jit` the program holds no host callback: call `eqx_kfac.check_consecutive_faults(state)`
+      after each step, or pass `stop_in_program=True` (see `skip_non_finite`).
 
     **Arguments:**
 
@@ -441,7 +442,8 @@ def kfac_optax(
     - `damping`, `norm_constraint`: passed to `kfac_preconditioner` (see there).
     - `momentum`: the decay of `optax.trace`, or `None` for none.
     - `use_step_rejection`: reject a step that raises the loss on its batch (see above).
-    - `max_consecutive_faults`, `max_consecutive_stalls`: see above and `skip_non_finite`.
+    - `max_consecutive_faults`, `max_consecutive_stalls`, `stop_in_program`: see above and
+      `skip_non_finite`.
     - `**preconditioner_kwargs`: the other keywords of `kfac_preconditioner` (e.g.
       `inverse_update_period`, `estimation_mode`, `l2_reg`).
 
@@ -468,7 +470,7 @@ def kfac_optax(
 
     guard = StepGuard(
         reject_loss_increase=use_step_rejection, max_consecutive_faults=max_consecutive_faults,
-        max_consecutive_stalls=max_consecutive_stalls,
+        max_consecutive_stalls=max_consecutive_stalls, stop_in_program=stop_in_program,
     )
     guarded = GuardedTransform(
         optax.with_extra_args_support(chain), guard, loss,

@@ -1,4 +1,4 @@
-"""`Optimizer`: the K-FAC optimizer with kfac-jax's semantics, as a pure, Equinox-native step.
+"""`Optimizer`: the K-FAC optimizer as a pure, Equinox-native step, built from parts.
 
 The optimizer is built from parts, each an `eqx.Module` (see "Building a variant"):
 
@@ -11,8 +11,9 @@ The optimizer is built from parts, each an `eqx.Module` (see "Building a variant
 - a `StepGuard`: whether the update is applied (non-finite steps skipped, steps that raise the
   loss rejected, an error after too many in a row).
 
-The kfac-jax keywords of the constructor build these parts (`kfac_jax_keywords.py`). The step
-itself is `optimizer_step.step_body`; every decision that depends on the step counter is taken
+`AbstractKFACOptimizer` holds `init` and `step`; `Optimizer`'s constructor takes the parts (with
+the recommended ones as defaults), and `eqx_kfac.kfac_jax.Optimizer`'s builds them from kfac-jax's
+keywords. The step itself is `optimizer_step.step_body`; every decision that depends on the step counter is taken
 inside the compiled graph, but for the burn-in of a directly called step (its updates run as
 programs of their own before the step, see `_step_from_iterator`), so `step` gives the same result
 called directly or inside a user's `jit`.
@@ -22,9 +23,8 @@ import dataclasses
 import functools
 import io
 import itertools
-import math
 import pathlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -33,8 +33,6 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._core import distributed as _distributed
-from .._core.compiled import COMPILER_OPTIONS
 from .._core.control_flow import select_changed
 from .._core.tree import signature
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
@@ -44,27 +42,34 @@ from .arguments import (
     params_signature,
 )
 from .compilation import compiled_step, compiling_step_meanwhile, initial_state, jitted_burnin
-from .damping import AbstractDampingRule
-from .direction import AbstractDirection
+from .damping import AbstractDampingRule, LevenbergMarquardtDamping
+from .direction import AbstractDirection, PreconditionedGradient
+from .execution import MultiDevice, StepOptions
 from .guard import StepGuard
-from .hyperparameters import Schedule
-from .kfac_jax_keywords import KEYWORDS, parts_from_keywords
+from .hyperparameters import AdaptiveHyperparameter
 from .optimizer_state import load_state, new_state, OptimizerState
 from .preconditioner import CurvatureOptions, Preconditioner
-from .refresh import AbstractRefreshSchedule
+from .refresh import AbstractRefreshSchedule, RefreshSchedule
 from .step_context import GivenValues
-from .step_rule import AbstractStepRule
+from .step_rule import AbstractStepRule, MomentumStep
 from .value_function import recover_value_func, ValueFunction
 
+# The recommended parts (`Optimizer`'s defaults; docs/optimizer.md, "The recommended configuration").
+DEFAULT_STEP_RULE = MomentumStep(
+    AdaptiveHyperparameter(0.0, 10.0), AdaptiveHyperparameter(-0.95, 0.95), max_predicted_decrease=0.5
+)
+DEFAULT_DAMPING = LevenbergMarquardtDamping(1e-2, minimum=1e-6, fault_increase=2.0)
 
 
-def _value_function(
+def build_value_function(
     value_and_grad_func: Callable[..., Any],
     value_func: Callable[..., Any] | None,
     value_func_for_estimator: Callable[..., Any] | None,
     flags: tuple[bool, bool, bool],
     batch_process_func: Callable[[Any], Any] | None,
 ) -> ValueFunction:
+    """The `ValueFunction` of these arguments, the loss recovered from `value_and_grad_func`'s
+    `__wrapped__` when `value_func` is not given (a `ValueError` says what to do otherwise)."""
     value_func = value_func or recover_value_func(value_and_grad_func)
     if value_func is None:
         # Tracing through `value_and_grad_func` would show the tracer the backward pass too,
@@ -80,214 +85,12 @@ def _value_function(
     )
 
 
-class Optimizer(AbstractOptimizer):
-    """The K-FAC optimizer (kfac-jax's `Optimizer`, Equinox-native, pure, and built from parts).
-
-    Build it once from a `value_and_grad_func`; `init` creates an `Optimizer.State`; `step`
-    returns new parameters, state and statistics. Both are pure: call `step` directly (it is
-    compiled once per argument structure and cached) or inside your own `eqx.filter_jit` /
-    `jax.jit`. See the "Optimizer" documentation page for every option and the recommended
-    configuration, and "Building a variant" for the parts.
+class AbstractKFACOptimizer(AbstractOptimizer):
+    """`init`, `step` and what they share, for `Optimizer` (the parts-based core) and
+    `eqx_kfac.kfac_jax.Optimizer` (kfac-jax's keywords), which differ in their constructors only.
     """
 
     State: ClassVar[type[OptimizerState]] = OptimizerState
-
-    function: ValueFunction
-    l2_reg: float = eqx.field(static=True)
-    preconditioner: Preconditioner
-    step_rule: AbstractStepRule
-    damping_rule: AbstractDampingRule
-    guard: StepGuard
-    multi_device: bool = eqx.field(static=True)
-    mesh: Any = eqx.field(static=True)
-    pmap_axis_name: str = eqx.field(static=True)
-    include_norms_in_stats: bool = eqx.field(static=True)
-    include_per_param_norms_in_stats: bool = eqx.field(static=True)
-    distributed_inverses: bool = eqx.field(static=True)
-    shard_state: bool = eqx.field(static=True)
-    calibrate_initial_damping: bool = eqx.field(static=True)
-    donated: tuple[int, ...] = eqx.field(static=True)
-    compiler_options: tuple[tuple[str, Any], ...] = eqx.field(static=True)
-
-    def __init__(
-        self,
-        value_and_grad_func: Callable[..., Any],
-        l2_reg: float,
-        value_func_has_aux: bool = False,
-        value_func_has_state: bool = False,
-        value_func_has_rng: bool = False,
-        use_adaptive_learning_rate: bool = False,
-        learning_rate_schedule: Schedule | None = None,
-        use_adaptive_momentum: bool = False,
-        momentum_schedule: Schedule | None = None,
-        use_adaptive_damping: bool = False,
-        damping_schedule: Schedule | None = None,
-        initial_damping: float | None = None,
-        min_damping: float = 1e-6,
-        max_damping: float = math.inf,
-        include_damping_in_quad_change: bool = False,
-        damping_adaptation_interval: int = 5,
-        damping_adaptation_decay: float = 0.9,
-        damping_lower_threshold: float = 0.25,
-        damping_upper_threshold: float = 0.75,
-        always_use_exact_qmodel_for_damping_adjustment: bool = False,
-        norm_constraint: float | None = None,
-        num_burnin_steps: int = 10,
-        estimation_mode: str = "fisher_gradients",
-        curvature_ema: float = 0.95,
-        inverse_update_period: int = 5,
-        use_exact_inverses: bool = False,
-        batch_process_func: Callable[[Any], Any] | None = None,
-        register_only_generic: bool = False,
-        patterns_to_skip: Sequence[str] = (),
-        auto_register_kwargs: Mapping[str, Any] | None = None,
-        layer_tag_to_block_ctor: Mapping[str, Any] | None = None,
-        multi_device: bool = False,
-        mesh: Any = None,
-        pmap_axis_name: str = "kfac_axis",
-        batch_size_extractor: Callable[[Any], Any] | None = None,
-        include_norms_in_stats: bool = False,
-        include_per_param_norms_in_stats: bool = False,
-        distributed_precon_apply: bool = True,
-        distributed_inverses: bool = True,
-        skip_non_finite: bool = True,
-        *,
-        use_step_rejection: bool | None = None,
-        shard_state: bool = False,
-        use_initial_damping_calibration: bool = False,
-        reject_damping_increase_factor: float = 2.0,
-        raise_damping_at_once: bool = False,
-        adaptive_learning_rate_bounds: tuple[float, float] | None = (0.0, 10.0),
-        adaptive_momentum_bounds: tuple[float, float] | None = (-0.95, 0.95),
-        max_predicted_decrease: float | None = 0.5,
-        max_statistics_growth: float | ArrayLike | None = 1e3,
-        max_consecutive_faults: int | None = 20,
-        max_consecutive_stalls: int | None = 50,
-        curvature_update_period: int = 1,
-        value_func: Callable[..., Any] | None = None,
-        value_func_for_estimator: Callable[..., Any] | None = None,
-        donate_parameters: bool = False,
-        donate_optimizer_state: bool = False,
-        donate_batch_inputs: bool = False,
-        donate_func_state: bool = False,
-        inverse_solver: Any = None,
-        on_unmatched: str = "warn",
-        graph_patterns: Sequence[Any] | None = None,
-        index_to_block_ctor: Mapping[Any, Any] | None = None,
-        damping_rule: AbstractDampingRule | None = None,
-        step_rule: AbstractStepRule | None = None,
-        direction: AbstractDirection | None = None,
-        refresh: AbstractRefreshSchedule | None = None,
-        guard: StepGuard | None = None,
-        compiler_options: Mapping[str, Any] | None = COMPILER_OPTIONS,
-    ):
-        """**Arguments:** see the "Optimizer" documentation page, which describes every keyword;
-        in short:
-
-        - `value_and_grad_func`: `value_and_grad_func(params, [func_state], [rng], batch)` returns
-          `(out, grads)` as `eqx.filter_value_and_grad(loss)` or `jax.value_and_grad(loss)` do;
-          `out` is `loss`, `(loss, aux)`, `(loss, func_state)` or `(loss, (func_state, aux))`.
-          The loss must register its losses and be averaged over the batch.
-        - `l2_reg`: the L2 coefficient used in the loss (added to the damping and the model).
-        - `value_func_has_aux`, `value_func_has_state`, `value_func_has_rng`: the forms above.
-        - Learning rate and momentum: `use_adaptive_learning_rate` / `use_adaptive_momentum`
-          (within `adaptive_learning_rate_bounds` / `adaptive_momentum_bounds`, `None` for
-          unbounded, and scaled down so that the quadratic model predicts a decrease of at most
-          `max_predicted_decrease` times the loss's magnitude, `None` for no limit),
-          `learning_rate_schedule` / `momentum_schedule`, or passed to `step`.
-        - Damping: `use_adaptive_damping` (Levenberg-Marquardt from `initial_damping`, default
-          `1e-2`, with `min_damping` (default `1e-6`, kfac-jax's `1e-8`: see docs/optimizer.md,
-          "Minimum damping"), `max_damping`, `damping_adaptation_interval`,
-          `damping_adaptation_decay`, `damping_lower_threshold`, `damping_upper_threshold`,
-          `include_damping_in_quad_change`, `always_use_exact_qmodel_for_damping_adjustment`,
-          `reject_damping_increase_factor` after a step that is not applied, and
-          `raise_damping_at_once`: raise it on any step whose `ρ` collapses),
-          `damping_schedule`, or passed to `step`.
-        - The guard: `skip_non_finite`, `use_step_rejection` (default: on with adaptive damping),
-          `max_consecutive_faults`, `max_consecutive_stalls` (stop after this many applied steps
-          in a row whose update is below the parameters' resolution; `None`: never).
-        - `use_initial_damping_calibration`: before the first step (called outside `jit`), repeat
-          its damping adaptation on its batch until the damping stops changing (kfac-jax's
-          option; needs adaptive damping).
-        - The curvature: `estimation_mode`, `curvature_ema`, `curvature_update_period`,
-          `inverse_update_period`, `num_burnin_steps`, `use_exact_inverses`, `norm_constraint`,
-          `inverse_solver`, `layer_tag_to_block_ctor`, `index_to_block_ctor`, `graph_patterns`,
-          `register_only_generic`, `patterns_to_skip`, `auto_register_kwargs`, `on_unmatched`,
-          `batch_size_extractor`, `max_statistics_growth` (a batch that makes the statistics,
-          all blocks together, grow in norm by more than this factor is not folded in: an outlier batch;
-          `None` folds in every finite batch).
-        - Devices: `multi_device`, `mesh`, `pmap_axis_name`, `distributed_inverses`,
-          `distributed_precon_apply`, `shard_state` (with `multi_device`: the state sharded over
-          the mesh and the step one SPMD program, see the "Multi-device" page); buffers:
-          `donate_parameters`, `donate_optimizer_state`, `donate_batch_inputs`,
-          `donate_func_state`.
-        - `compiler_options`: XLA options for the step that `step` compiles when called directly
-          (`jax.jit`'s `compiler_options`; ignored inside your own `jit`). The default,
-          `eqx_kfac.COMPILER_OPTIONS`, turns off XLA's Triton GEMM kernels on GPUs, whose
-          autotuning was most of the step's GPU compilation; `None` keeps XLA's defaults.
-        - `value_func`, `value_func_for_estimator`, `batch_process_func`,
-          `include_norms_in_stats`, `include_per_param_norms_in_stats`.
-        - `damping_rule`, `step_rule`, `direction`, `refresh`, `guard`: parts given directly
-          instead of through the keywords that build them (giving both raises `ValueError`).
-        """
-        arguments = dict(locals())
-        keywords = {name: arguments[name] for part in KEYWORDS.values() for name in part}
-        if keywords["use_step_rejection"] is None:
-            keywords["use_step_rejection"] = bool(use_adaptive_damping)
-        given = dict(damping_rule=damping_rule, step_rule=step_rule, direction=direction, refresh=refresh, guard=guard)
-        parts = parts_from_keywords(keywords, given)
-        if mesh is not None:
-            _distributed.check_mesh(mesh, pmap_axis_name)
-        if shard_state and not multi_device:
-            raise ValueError(
-                "shard_state=True shards the state over the devices: it needs multi_device=True."
-            )
-        self.function = _value_function(
-            value_and_grad_func, value_func, value_func_for_estimator,
-            (value_func_has_aux, value_func_has_state, value_func_has_rng), batch_process_func,
-        )
-        self.l2_reg = l2_reg
-        self.preconditioner = Preconditioner(
-            CurvatureOptions(
-                estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
-                index_to_block_ctor=index_to_block_ctor, auto_register_kwargs=auto_register_kwargs,
-                inverse_solver=inverse_solver, on_unmatched=on_unmatched,
-                batch_size_extractor=batch_size_extractor,
-                graph_patterns=graph_patterns, patterns_to_skip=patterns_to_skip,
-                register_only_generic=register_only_generic,
-            ),
-            parts.refresh,
-            parts.direction,
-        )
-        self.step_rule = parts.step_rule
-        self.damping_rule = parts.damping_rule
-        self.guard = parts.guard
-        self.multi_device = multi_device
-        self.mesh = mesh
-        self.pmap_axis_name = pmap_axis_name
-        self.include_norms_in_stats = include_norms_in_stats
-        self.include_per_param_norms_in_stats = include_per_param_norms_in_stats
-        self.distributed_inverses = distributed_inverses
-        self.shard_state = shard_state
-        if use_initial_damping_calibration and not (use_adaptive_damping or damping_rule is not None):
-            raise ValueError(
-                "use_initial_damping_calibration=True calibrates the adaptive damping's start: it "
-                "needs use_adaptive_damping=True."
-            )
-        self.calibrate_initial_damping = use_initial_damping_calibration
-        flags = (donate_parameters, donate_optimizer_state, False, donate_batch_inputs, donate_func_state)
-        self.donated = tuple(i for i, flag in enumerate(flags) if flag)
-        self.compiler_options = tuple(sorted((compiler_options or {}).items()))
-
-    @property
-    def refresh(self) -> AbstractRefreshSchedule:
-        """The preconditioner's refresh schedule."""
-        return self.preconditioner.refresh
-
-    @property
-    def direction(self) -> AbstractDirection:
-        """The preconditioner's direction."""
-        return self.preconditioner.direction
 
     def estimators(
         self, func_args: Sequence[Any], report: bool = False
@@ -486,23 +289,38 @@ class Optimizer(AbstractOptimizer):
         out = self._step_from_iterator(params, state, rng, data_iterator, func_state, given, global_step_int)
         return self._checked_faults(out)
 
+    def check(self, state: OptimizerState) -> None:
+        """Raises `RuntimeError` when the guard's limits are reached: `max_consecutive_faults`
+        steps in a row not applied (naming the first), or `max_consecutive_stalls` applied steps
+        in a row that left the parameters as they were (naming the cause). A directly called
+        `step` makes this check itself; after a step inside your own `jit`, call it on the
+        returned state (it reads two counters, waiting for the step), unless the guard was built
+        with `stop_in_program=True`.
+
+        **Arguments:**
+
+        - `state`: the state a step returned.
+        """
+        self.guard.check(state.guard_state)
+
     def _checked_faults(self, out: tuple[Any, ...]) -> tuple[Any, ...]:
         """The step's outputs, once the guard has checked its count of faults in a row: in
         Python when the step ran (its compiled program then holds no host callback, so JAX's
-        persistent compilation cache can store it), inside the caller's trace otherwise."""
+        persistent compilation cache can store it), inside the caller's trace only with the
+        guard's `stop_in_program`."""
         new_state = out[1]
         if isinstance(new_state.step_counter, jax.core.Tracer):
             checked = self.guard.checked(new_state.guard_state)
             return (out[0], eqx.tree_at(lambda s: s.guard_state, new_state, checked), *out[2:])
-        self.guard.check(new_state.guard_state)
+        self.check(new_state)
         return out
 
     def _calibrated(self, args: tuple[Any, ...], burnin_in_graph: bool, step_int: int | None) -> tuple[Any, ...]:
         """The step's arguments with the damping calibrated when this is the first step and
-        `use_initial_damping_calibration` is on: trials of the step on its batch, each adapting
+        the damping rule calibrates (`LevenbergMarquardtDamping(calibrate=True)`): trials of the step on its batch, each adapting
         the damping once, until it stops changing (at most 100)."""
         params, state, *rest = args
-        if not self.calibrate_initial_damping:
+        if not self.damping_rule.calibrates():
             return args
         try:
             step_int = int(state.step_counter) if step_int is None else step_int
@@ -531,7 +349,7 @@ class Optimizer(AbstractOptimizer):
         inside; docs/examples.md). The step counter is read from the device when the burn-in or
         the damping calibration needs it and `step_int` is not given. `batches_checked`: the
         batches repeat the one `step` checked already."""
-        if step_int is None and (self.refresh.num_burnin_steps > 0 or self.calibrate_initial_damping):
+        if step_int is None and (self.refresh.num_burnin_steps > 0 or self.damping_rule.calibrates()):
             step_int = int(state.step_counter)
         original = state
         burnin = self.refresh.num_burnin_steps
@@ -564,3 +382,93 @@ class Optimizer(AbstractOptimizer):
             unprocessed = new_state.step_counter == original.step_counter
             return (out[0], select_changed(unprocessed, kept, new_state), *out[2:])
         return out if int(new_state.step_counter) != step_int else (out[0], kept, *out[2:])
+
+
+def _default_guard(damping_rule: AbstractDampingRule) -> StepGuard:
+    """The recommended guard: steps that raise the loss are rejected when the damping adapts
+    (the damping then rises), not when it is given or scheduled (nothing would change)."""
+    return StepGuard(reject_loss_increase=isinstance(damping_rule, LevenbergMarquardtDamping))
+
+
+class Optimizer(AbstractKFACOptimizer):
+    """The K-FAC optimizer, built from parts (final).
+
+    `Optimizer(value_and_grad_func)` is the recommended configuration: the learning rate and
+    momentum adapted by the exact quadratic model (bounded, within a trust region), the damping
+    adapted by Levenberg-Marquardt from `1e-2` (floor `1e-6`), a step that raises the loss
+    rejected, curvature statistics every step and inverses refreshed every 5. Each part is
+    replaced by passing another (see "Building a variant"); kfac-jax's keywords are those of
+    `eqx_kfac.kfac_jax.Optimizer`, which builds the same parts. `init` creates an
+    `Optimizer.State`; `step` returns new parameters, state and statistics. Both are pure: call
+    `step` directly (it is compiled once per argument structure and cached) or inside your own
+    `eqx.filter_jit` / `jax.jit`.
+    """
+
+    function: ValueFunction
+    l2_reg: float = eqx.field(static=True)
+    preconditioner: Preconditioner
+    step_rule: AbstractStepRule
+    damping_rule: AbstractDampingRule
+    guard: StepGuard
+    devices: MultiDevice | None
+    options: StepOptions
+
+    def __init__(
+        self,
+        value_and_grad_func: Callable[..., Any],
+        l2_reg: float = 0.0,
+        *,
+        value_func_has_aux: bool = False,
+        value_func_has_state: bool = False,
+        value_func_has_rng: bool = False,
+        value_func: Callable[..., Any] | None = None,
+        curvature: CurvatureOptions | None = None,
+        refresh: AbstractRefreshSchedule | None = None,
+        direction: AbstractDirection | None = None,
+        step_rule: AbstractStepRule | None = None,
+        damping_rule: AbstractDampingRule | None = None,
+        guard: StepGuard | None = None,
+        devices: MultiDevice | None = None,
+        options: StepOptions | None = None,
+    ):
+        """**Arguments:**
+
+        - `value_and_grad_func`: `value_and_grad_func(params, [func_state], [rng], batch)` returns
+          `(out, grads)` as `eqx.filter_value_and_grad(loss)` or `jax.value_and_grad(loss)` do;
+          `out` is `loss`, `(loss, aux)`, `(loss, func_state)` or `(loss, (func_state, aux))`.
+          The loss must register its losses and be averaged over the batch.
+        - `l2_reg`: the L2 coefficient used in the loss (added to the damping and the model).
+        - `value_func_has_aux`, `value_func_has_state`, `value_func_has_rng`: the forms above.
+        - `value_func`: the loss itself, when `value_and_grad_func` has no `__wrapped__` to
+          recover it from.
+        - `curvature`: how the estimator is built (`CurvatureOptions`: estimation mode, blocks,
+          graph patterns, solver, the function the estimator traces); default `fisher_gradients`.
+        - `refresh`: when statistics and inverses are refreshed (default `RefreshSchedule()`: a
+          burn-in of 10, statistics every step, inverses every 5, moving average 0.95).
+        - `direction`: the direction from the gradient (default `PreconditionedGradient()`).
+        - `step_rule`: the update from the direction (default: `MomentumStep` with the learning
+          rate in `[0, 10]` and the momentum in `[-0.95, 0.95]` adapted, trust region 0.5).
+          `MomentumStep()` takes both from `step`'s `learning_rate=` and `momentum=`.
+        - `damping_rule`: the damping (default `LevenbergMarquardtDamping(1e-2, minimum=1e-6,
+          fault_increase=2.0)`); `GivenDamping()` takes it from `step`'s `damping=`.
+        - `guard`: whether each update is applied (default `StepGuard()`, rejecting steps that
+          raise the loss when the damping rule is Levenberg-Marquardt).
+        - `devices`: a `MultiDevice` to run the step on several devices (default: one device).
+        - `options`: `StepOptions` (buffer donation, XLA compiler options, norms in `stats`).
+        """
+        damping_rule = DEFAULT_DAMPING if damping_rule is None else damping_rule
+        curvature = CurvatureOptions() if curvature is None else curvature
+        self.function = build_value_function(
+            value_and_grad_func, value_func, None, (value_func_has_aux, value_func_has_state, value_func_has_rng), None,
+        )
+        self.l2_reg = l2_reg
+        self.preconditioner = Preconditioner(
+            curvature,
+            RefreshSchedule() if refresh is None else refresh,
+            PreconditionedGradient() if direction is None else direction,
+        )
+        self.step_rule = DEFAULT_STEP_RULE if step_rule is None else step_rule
+        self.damping_rule = damping_rule
+        self.guard = _default_guard(damping_rule) if guard is None else guard
+        self.devices = devices
+        self.options = StepOptions() if options is None else options

@@ -1,8 +1,8 @@
-"""The translation of `Optimizer`'s kfac-jax keywords into its parts.
+"""The translation of kfac-jax's `Optimizer` keywords into `eqx_kfac`'s parts.
 
-`KEYWORDS` is the one place where the keywords that build a part, and their defaults, are written
-(`Optimizer.__init__` repeats the defaults in its signature for users' sake; a test checks that they
-agree). `parts_from_keywords` builds each part from its keywords, unless the part was given
+`KEYWORDS` is the one place where the keywords that build a part, and their defaults (kfac-jax's),
+are written (`eqx_kfac.kfac_jax.Optimizer.__init__` repeats the defaults in its signature for
+users' sake; a test checks that they agree). `parts_from_keywords` builds each part from its keywords, unless the part was given
 directly, in which case giving any of its keywords too is an error.
 """
 
@@ -10,46 +10,45 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from .damping import AbstractDampingRule, GivenDamping, LevenbergMarquardtDamping, ScheduledDamping
-from .direction import AbstractDirection, PreconditionedGradient
-from .guard import StepGuard
-from .hyperparameters import (
+from .._optim.damping import AbstractDampingRule, GivenDamping, LevenbergMarquardtDamping, ScheduledDamping
+from .._optim.direction import AbstractDirection, PreconditionedGradient
+from .._optim.guard import StepGuard
+from .._optim.hyperparameters import (
     AbstractHyperparameter,
     AdaptiveHyperparameter,
     GivenHyperparameter,
     ScheduledHyperparameter,
 )
-from .refresh import AbstractRefreshSchedule, RefreshSchedule
-from .step_rule import AbstractStepRule, MomentumStep
+from .._optim.refresh import AbstractRefreshSchedule, RefreshSchedule
+from .._optim.step_rule import AbstractStepRule, MomentumStep
 
-# The keywords each part replaces when it is given directly, with their defaults.
+# The keywords each part replaces when it is given directly, with their defaults: kfac-jax's (no
+# bounds or trust region on the adapted coefficients, no step rejection, every finite batch folded
+# in, the damping's floor 1e-8, no stop after faults or stalls in a row).
 KEYWORDS: Mapping[str, Mapping[str, Any]] = {
     "damping_rule": dict(
-        use_adaptive_damping=False, damping_schedule=None, initial_damping=None, min_damping=1e-6,
+        use_adaptive_damping=False, damping_schedule=None, initial_damping=None, min_damping=1e-8,
         max_damping=math.inf, damping_adaptation_interval=5, damping_adaptation_decay=0.9,
         damping_lower_threshold=0.25, damping_upper_threshold=0.75,
-        always_use_exact_qmodel_for_damping_adjustment=False, reject_damping_increase_factor=2.0,
-        raise_damping_at_once=False,
+        always_use_exact_qmodel_for_damping_adjustment=False, reject_damping_increase_factor=1.0,
+        raise_damping_at_once=False, use_initial_damping_calibration=False,
     ),
     "step_rule": dict(
         use_adaptive_learning_rate=False, learning_rate_schedule=None, use_adaptive_momentum=False,
         momentum_schedule=None, include_damping_in_quad_change=False,
-        adaptive_learning_rate_bounds=(0.0, 10.0), adaptive_momentum_bounds=(-0.95, 0.95),
-        max_predicted_decrease=0.5,
+        adaptive_learning_rate_bounds=None, adaptive_momentum_bounds=None,
+        max_predicted_decrease=None,
     ),
     "direction": dict(use_exact_inverses=False, norm_constraint=None, distributed_precon_apply=True),
     "refresh": dict(
         num_burnin_steps=10, curvature_update_period=1, inverse_update_period=5, curvature_ema=0.95,
-        max_statistics_growth=1e3,
+        max_statistics_growth=None,
     ),
     "guard": dict(
-        skip_non_finite=True, use_step_rejection=True, max_consecutive_faults=20,
-        max_consecutive_stalls=50,
+        skip_non_finite=True, use_step_rejection=False, max_consecutive_faults=None,
+        max_consecutive_stalls=None, stop_in_program=False,
     ),
 }
-
-# The initial damping of adaptive damping when none is given: right for losses of order one.
-DEFAULT_INITIAL_DAMPING = 1e-2
 
 
 class Parts(NamedTuple):
@@ -85,16 +84,25 @@ def _damping_rule(k: Mapping[str, Any]) -> AbstractDampingRule:
             "use_adaptive_damping=True and a damping_schedule were both given; the damping is "
             "either adapted or scheduled. Drop one of them."
         )
+    if k["use_initial_damping_calibration"] and not k["use_adaptive_damping"]:
+        raise ValueError(
+            "use_initial_damping_calibration=True calibrates the adaptive damping's start: it "
+            "needs use_adaptive_damping=True."
+        )
     if k["use_adaptive_damping"]:
-        initial = DEFAULT_INITIAL_DAMPING if k["initial_damping"] is None else k["initial_damping"]
+        if k["initial_damping"] is None:
+            raise ValueError(
+                "use_adaptive_damping=True needs initial_damping= (as in kfac-jax); 1e-2 suits "
+                "losses of order one, and eqx_kfac.Optimizer's default damping rule starts there."
+            )
         return LevenbergMarquardtDamping(
-            initial_damping=initial, interval=k["damping_adaptation_interval"],
+            initial_damping=k["initial_damping"], interval=k["damping_adaptation_interval"],
             decay=k["damping_adaptation_decay"], lower=k["damping_lower_threshold"],
             upper=k["damping_upper_threshold"], minimum=k["min_damping"], maximum=k["max_damping"],
             always_exact=k["always_use_exact_qmodel_for_damping_adjustment"],
             include_damping_in_quad_change=k["include_damping_in_quad_change"],
             fault_increase=k["reject_damping_increase_factor"],
-            raise_at_once=k["raise_damping_at_once"],
+            raise_at_once=k["raise_damping_at_once"], calibrate=k["use_initial_damping_calibration"],
         )
     if k["damping_schedule"] is not None:
         return ScheduledDamping(k["damping_schedule"])
@@ -129,7 +137,7 @@ _BUILDERS: Mapping[str, Callable[[Mapping[str, Any]], Any]] = {
     ),
     "guard": lambda k: StepGuard(
         k["skip_non_finite"], k["use_step_rejection"], k["max_consecutive_faults"],
-        max_consecutive_stalls=k["max_consecutive_stalls"],
+        max_consecutive_stalls=k["max_consecutive_stalls"], stop_in_program=k["stop_in_program"],
     ),
 }
 
@@ -145,7 +153,7 @@ _FIELD_KEYWORDS = {
 
 def _in_keywords(part: str, error: ValueError) -> ValueError:
     named = [f"{field} is {keyword}" for field, keyword in _FIELD_KEYWORDS.items() if field in str(error)]
-    hint = f" (from the Optimizer keywords: {', '.join(named)})" if named and part == "damping_rule" else ""
+    hint = f" (from the kfac_jax.Optimizer keywords: {', '.join(named)})" if named and part == "damping_rule" else ""
     return ValueError(f"{error}{hint}")
 
 
@@ -172,7 +180,7 @@ def parts_from_keywords(keywords: Mapping[str, Any], given: Mapping[str, Any]) -
         changed = _changed(part, keywords)
         if changed:
             raise ValueError(
-                f"Optimizer got {part}= and the keywords {changed}, which that part replaces; pass "
+                f"kfac_jax.Optimizer got {part}= and the keywords {changed}, which that part replaces; pass "
                 f"them to the {type(given[part]).__name__} instead (or drop {part}=)."
             )
         parts[part] = given[part]
