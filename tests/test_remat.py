@@ -30,11 +30,12 @@ _BATCHES = [
 ]
 _OPTIMIZER_KWARGS = dict(
     l2_reg=1e-3,
-    num_burnin_steps=1,
-    inverse_update_period=1,
-    learning_rate_schedule=optax.constant_schedule(0.1),
-    momentum_schedule=optax.constant_schedule(0.5),
-    damping_schedule=optax.constant_schedule(0.1),
+    refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=1, inverse_update_period=1),
+    step_rule=eqx_kfac.MomentumStep(
+        eqx_kfac.ScheduledHyperparameter(optax.constant_schedule(0.1)),
+        eqx_kfac.ScheduledHyperparameter(optax.constant_schedule(0.5)),
+    ),
+    damping_rule=eqx_kfac.ScheduledDamping(optax.constant_schedule(0.1)),
 )
 
 
