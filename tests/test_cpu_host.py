@@ -1,4 +1,5 @@
-"""glibc's `malloc` keeps a K-FAC step's large scratch buffer mapped (`eqx_kfac._core.cpu_host`).
+"""glibc's `malloc` keeps a K-FAC step's large scratch buffer mapped (`eqx_kfac._core.cpu_host`,
+reached through the public operators: the first factorisation traced makes the setting).
 
 XLA:CPU allocates each step's temporaries as one block of tens of MiB; glibc maps such a block
 afresh at every allocation, so every step faulted it in again. The reference is the kernel's
@@ -21,10 +22,14 @@ _SCRIPT = textwrap.dedent(
     import ctypes, resource
     libc = ctypes.CDLL(None)
     libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, whatever the system's setting
-    import jax, jax.numpy as jnp
-    from eqx_kfac._core.linalg import spd_inverse
+    import jax, jax.numpy as jnp, lineax as lx
+    import eqx_kfac
 
-    jax.make_jaxpr(spd_inverse)(jnp.eye(3))  # the first factorisation traced
+    def inverse(a):
+        psd = lx.TaggedLinearOperator(eqx_kfac.KroneckerOperator((a,)), lx.positive_semidefinite_tag)
+        return eqx_kfac.matpower(psd, -1.0).as_matrix()
+
+    jax.make_jaxpr(inverse)(jnp.eye(3))  # the first factorisation traced
 
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = (ctypes.c_void_p,)

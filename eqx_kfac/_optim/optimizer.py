@@ -33,15 +33,15 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._core.control_flow import select_changed
 from .._core.tree import signature
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
 from .abstract_optimizer import AbstractOptimizer
 from .arguments import (
-    check_batch, check_func_state, check_not_deleted, check_params, check_scalar_loss, next_batch,
-    params_signature,
+    check_batch, check_func_state, check_not_deleted, check_params, check_scalar_loss, params_signature,
 )
-from .compilation import compiled_step, compiling_step_meanwhile, initial_state, jitted_burnin
+from .burnin import BurnedIn, run_burnin, undone_if_not_processed
+from .calibration import calibrated
+from .compilation import compiled_step, initial_state
 from .damping import AbstractDampingRule, LevenbergMarquardtDamping
 from .direction import AbstractDirection, PreconditionedGradient
 from .execution import MultiDevice, StepOptions
@@ -257,6 +257,36 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         `curvature_update_dropped` (the batch's statistics were not finite), `aux` when the
         function has auxiliary outputs, and norms when requested.
         """
+        given = self._checked_arguments(
+            params, state, rng, data_iterator, batch, func_state, (learning_rate, momentum, damping),
+            global_step_int,
+        )
+        in_graph = data_iterator is None and isinstance(state.step_counter, jax.core.Tracer)
+        step_int = global_step_int
+        if step_int is None and not in_graph and self._needs_step_int():
+            step_int = int(state.step_counter)
+        if in_graph:  # inside a user's jit with `batch=`: the program runs the burn-in
+            burned = BurnedIn(state, batch, None)
+        else:
+            batches = itertools.repeat(batch) if data_iterator is None else data_iterator
+            burned = run_burnin(
+                self, params, state, rng, batches, func_state, given, step_int, data_iterator is not None
+            )
+        args = calibrated(self, (params, burned.state, rng, burned.batch, func_state, given), in_graph, step_int)
+        if burned.compiling is not None:
+            burned.compiling.wait()
+        out = compiled_step(self, args, in_graph)
+        return self._checked_faults(undone_if_not_processed(state, burned.state, out, step_int))
+
+    def _needs_step_int(self) -> bool:
+        return self.refresh.num_burnin_steps > 0 or self.damping_rule.calibrates()
+
+    def _checked_arguments(
+        self, params: Any, state: Any, rng: Any, data_iterator: Any, batch: Any, func_state: Any,
+        values: tuple[Any, Any, Any], global_step_int: int | None,
+    ) -> GivenValues:
+        """`step`'s arguments checked (a `ValueError` or `TypeError` that says what to pass),
+        and the given learning rate, momentum and damping."""
         if (data_iterator is None) == (batch is None):
             raise ValueError("Pass exactly one of data_iterator= and batch= to step.")
         if data_iterator is not None and not isinstance(data_iterator, Iterator):
@@ -266,28 +296,17 @@ class AbstractKFACOptimizer(AbstractOptimizer):
                 f"{type(data_iterator).__name__}. Pass a single batch by keyword: "
                 "`optimizer.step(params, state, rng, batch=batch)`."
             )
-        given = GivenValues(*(None if v is None else jnp.asarray(v) for v in (learning_rate, momentum, damping)))
+        given = GivenValues(*(None if v is None else jnp.asarray(v) for v in values))
         self._check_step_arguments(params, state, rng, batch, func_state, given)
-        traced = isinstance(state.step_counter, jax.core.Tracer)
-        if data_iterator is None:
+        if batch is not None:
             check_batch(state.batch_signature, batch, "batch")
-            if traced:
-                args = (params, state, rng, batch, func_state, given)
-                out = compiled_step(self, self._calibrated(args, True, global_step_int), True)
-                return self._checked_faults(out)
-            out = self._step_from_iterator(
-                params, state, rng, itertools.repeat(batch), func_state, given, global_step_int,
-                batches_checked=True,
-            )
-            return self._checked_faults(out)
-        if traced and global_step_int is None:
+        if data_iterator is not None and isinstance(state.step_counter, jax.core.Tracer) and global_step_int is None:
             # The batches would be drawn once, while tracing, and every call would reuse them.
             raise ValueError(
                 "data_iterator cannot be used inside jit (batches are drawn in Python); pass "
                 "batch= instead, or call step outside jit."
             )
-        out = self._step_from_iterator(params, state, rng, data_iterator, func_state, given, global_step_int)
-        return self._checked_faults(out)
+        return given
 
     def check(self, state: OptimizerState) -> None:
         """Raises `RuntimeError` when the guard's limits are reached: `max_consecutive_faults`
@@ -314,74 +333,6 @@ class AbstractKFACOptimizer(AbstractOptimizer):
             return (out[0], eqx.tree_at(lambda s: s.guard_state, new_state, checked), *out[2:])
         self.check(new_state)
         return out
-
-    def _calibrated(self, args: tuple[Any, ...], burnin_in_graph: bool, step_int: int | None) -> tuple[Any, ...]:
-        """The step's arguments with the damping calibrated when this is the first step and
-        the damping rule calibrates (`LevenbergMarquardtDamping(calibrate=True)`): trials of the step on its batch, each adapting
-        the damping once, until it stops changing (at most 100)."""
-        params, state, *rest = args
-        if not self.damping_rule.calibrates():
-            return args
-        try:
-            step_int = int(state.step_counter) if step_int is None else step_int
-        except jax.errors.ConcretizationTypeError:
-            raise ValueError(
-                "use_initial_damping_calibration=True runs Python trials before the first step: call "
-                "the first step outside jit."
-            ) from None
-        if step_int != 0:
-            return args
-        for _ in range(100):
-            trial = compiled_step(self, (params, state, *rest), burnin_in_graph, calibrating=True)[1]
-            previous = float(state.damping)
-            state = eqx.tree_at(lambda s: s.damping_state, state, trial.damping_state)
-            if float(state.damping) == previous:
-                break
-        return (params, state, *rest)
-
-    def _step_from_iterator(
-        self, params, state, rng, data_iterator, func_state, given, step_int, batches_checked=False
-    ):
-        """`step` with a data iterator, or with `batch=` outside jit (`itertools.repeat(batch)`):
-        at step 0 the burn-in runs in Python, one compiled curvature update per batch, before the
-        step. Inside the step's program the burn-in would be a loop, and XLA:CPU gives the
-        convolutions in a loop its slow generic code (a U-Net's first step ran 45 s with the loop
-        inside; docs/examples.md). The step counter is read from the device when the burn-in or
-        the damping calibration needs it and `step_int` is not given. `batches_checked`: the
-        batches repeat the one `step` checked already."""
-        if step_int is None and (self.refresh.num_burnin_steps > 0 or self.damping_rule.calibrates()):
-            step_int = int(state.step_counter)
-        original = state
-        burnin = self.refresh.num_burnin_steps
-        compiling = None
-        if step_int == 0 and burnin > 0:
-            for i in range(burnin):
-                burnin_batch = next_batch(data_iterator, i, burnin)
-                if not batches_checked:
-                    check_batch(state.batch_signature, burnin_batch, f"burn-in batch #{i}")
-                if compiling is None and not isinstance(state.step_counter, jax.core.Tracer):
-                    # The step's structure is known (its batch that of every burn-in batch):
-                    # compile it while the burn-in compiles and runs.
-                    structure = (params, state, rng, burnin_batch, func_state, given)
-                    compiling = compiling_step_meanwhile(self, structure)
-                state = jitted_burnin(self, params, state, rng, burnin_batch, func_state, i)
-        batch = next_batch(data_iterator, burnin, burnin if step_int == 0 else 0)
-        if not batches_checked:
-            check_batch(state.batch_signature, batch, "batch from data_iterator")
-        args = self._calibrated((params, state, rng, batch, func_state, given), False, step_int)
-        if compiling is not None:
-            compiling.wait()
-        out = compiled_step(self, args, False)
-        if state is original:
-            return out
-        # A step whose loss or gradient is not finite (its step counter stays) leaves the state
-        # as it was before the burn-in too, but for the guard's count of faults.
-        new_state = out[1]
-        kept = eqx.tree_at(lambda s: s.guard_state, original, new_state.guard_state)
-        if isinstance(new_state.step_counter, jax.core.Tracer):  # a data iterator in a user's jit
-            unprocessed = new_state.step_counter == original.step_counter
-            return (out[0], select_changed(unprocessed, kept, new_state), *out[2:])
-        return out if int(new_state.step_counter) != step_int else (out[0], kept, *out[2:])
 
 
 def _default_guard(damping_rule: AbstractDampingRule) -> StepGuard:
