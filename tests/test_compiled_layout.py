@@ -58,11 +58,10 @@ def _loss(model, batch):
 def test_the_step_keeps_its_factors_row_major():
     # The adaptive step: pi-adjusted inverses by block elimination (Cholesky at the leaves; a
     # width of 16 makes factors of 3 to 17 rows, each inverted by one Cholesky factorisation).
-    options = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True)
     model = eqx.nn.MLP(6, 3, 16, 2, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (32, 6))
     batch = (x, jnp.sin(x[:, :3]))
-    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(_loss), l2_reg=0.0, **options)
+    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(_loss))  # adaptive: the defaults
     state = optimizer.init(model, jax.random.key(2), batch)
     step = eqx.filter_jit(lambda p, s: optimizer.step(p, s, jax.random.key(3), batch=batch))
     assert column_major_matrices(step.lower(model, state).lowered.compile().as_text()) == []

@@ -1,4 +1,4 @@
-"""Under `multi_device=True` steps 0 and 1 run one compiled step program (issue 49).
+"""Under `devices=MultiDevice()` steps 0 and 1 run one compiled step program (issue 49).
 
 The first step's arguments are the caller's arrays, on one device; the next step's are the first
 step's outputs, on the mesh. JAX keys its compiled programs by the arguments' shardings, so the
@@ -36,8 +36,9 @@ def test_one_step_program_from_step_0_on(feed, shard_state, xla_compilations):
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=2, multi_device=True,
-        shard_state=shard_state,
+        eqx.filter_value_and_grad(loss), l2_reg=0.0, step_rule=eqx_kfac.MomentumStep(),
+        damping_rule=eqx_kfac.GivenDamping(), refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=2),
+        devices=eqx_kfac.MultiDevice(shard_state=shard_state),
     )
     batches = _batches()
     params = eqx.nn.MLP(4, 3, 8, 1, key=jax.random.key(0))

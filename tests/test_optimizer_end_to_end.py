@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from models import mlp_regression
 
-from eqx_kfac import Optimizer
+import eqx_kfac
 
 
 STEPS = 15
@@ -32,10 +32,13 @@ def _sgd_final_loss(problem, learning_rate, momentum=0.9):
 
 def test_kfac_beats_tuned_sgd_on_a_small_regression():
     problem = mlp_regression(jax.random.key(3), sizes=(4, 16, 3), batch=64)
-    opt = Optimizer(eqx.filter_value_and_grad(problem.loss_fn), l2_reg=0.0,
-                    use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-                    use_adaptive_damping=True, initial_damping=1.0, estimation_mode="ggn_exact",
-                    inverse_update_period=1, num_burnin_steps=0)
+    # The recommended step and damping rules (adaptive, bounded), the damping started at 1.
+    opt = eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(problem.loss_fn), l2_reg=0.0,
+        curvature=eqx_kfac.CurvatureOptions(estimation_mode="ggn_exact"),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0, inverse_update_period=1),
+        damping_rule=eqx_kfac.LevenbergMarquardtDamping(1.0, minimum=1e-6, fault_increase=2.0),
+    )
     params = problem.params
     state = opt.init(params, jax.random.key(0), problem.batch)
     initial = float(problem.loss_fn(params, problem.batch))

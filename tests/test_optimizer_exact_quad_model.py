@@ -9,7 +9,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 from models import brute_force_ggn, mlp_classification
 
-from eqx_kfac import GivenValues, Optimizer, StepContext, exact_quadratic_model
+from eqx_kfac import CurvatureOptions, GivenValues, Optimizer, StepContext, exact_quadratic_model
 
 
 @pytest.mark.parametrize("mode", ["ggn_curvature_prop", "fisher_gradients"])
@@ -22,10 +22,8 @@ def test_exact_quad_model_matches_dense_ggn(getkey, mode, num_vectors):
     dense_vectors = [jnp.asarray(rng.standard_normal(flat.size)) for _ in range(num_vectors)]
     vectors = [unravel(v) for v in dense_vectors]
     grads = unravel(jnp.asarray(rng.standard_normal(flat.size)))
-    optimizer = Optimizer(
-        jax.value_and_grad(problem.loss_fn), l2_reg=0.0, estimation_mode=mode,
-        use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-    )
+    # (The default step rule adapts the learning rate and momentum by the exact model.)
+    optimizer = Optimizer(jax.value_and_grad(problem.loss_fn), curvature=CurvatureOptions(estimation_mode=mode))
     block_diagonal, implicit = optimizer.estimators(problem.func_args)
 
     def model_of(func_args, vectors, grads):
