@@ -130,12 +130,12 @@ class AbstractDampingRule(eqx.Module):
         A scalar.
         """
 
-    @abc.abstractmethod
     def calibrates(self) -> bool:
         """Whether a directly called first step calibrates this rule's initial damping first
         (repeating the step's adaptation on its batch until the damping stops changing)."""
         return False
 
+    @abc.abstractmethod
     def check(self, given: GivenValues) -> None:
         """Raises `ValueError` when `step` got (or lacks) a `damping=` contrary to the rule."""
 
