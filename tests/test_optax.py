@@ -57,6 +57,20 @@ def _run_optimizer(optimizer, model, batches, keys, **hyper):
     return trajectory
 
 
+def _optimizer(loss_fn, l2_reg=0.0, *, curvature_update_period=1, inverse_update_period=5, curvature_ema=0.95,
+               use_exact_inverses=False, estimation_mode="fisher_gradients", **parts):
+    """`Optimizer` with no burn-in and the damping passed to `step` (unless `parts` say otherwise),
+    from the same keywords as `kfac_preconditioner`'s."""
+    return eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(loss_fn),
+        l2_reg,
+        refresh=eqx_kfac.RefreshSchedule(0, curvature_update_period, inverse_update_period, curvature_ema),
+        direction=eqx_kfac.PreconditionedGradient(use_exact_inverses),
+        curvature=eqx_kfac.CurvatureOptions(estimation_mode=estimation_mode),
+        **{"damping_rule": eqx_kfac.GivenDamping()} | parts,
+    )
+
+
 CURVATURE_SETTINGS = [
     dict(curvature_update_period=1, inverse_update_period=3, use_exact_inverses=False),
     dict(curvature_update_period=2, inverse_update_period=2, use_exact_inverses=True),
@@ -76,9 +90,7 @@ def test_chain_matches_optimizer(settings, getkey):
         optax.scale(-lr),
     )
     chain, _ = _run_chain(transform, model, batches, loss_fn, keys)
-    optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(loss_fn), num_burnin_steps=0, **common
-    )
+    optimizer = _optimizer(loss_fn, step_rule=eqx_kfac.MomentumStep(), **common)
     expected = _run_optimizer(optimizer, model, batches, keys, learning_rate=lr, momentum=m, damping=d)
     for a, b in zip(chain, expected, strict=True):
         _close(a, b)
@@ -113,12 +125,10 @@ def test_schedules_match_optimizer(getkey):
         optax.trace(m),
     )
     chain, _ = _run_chain(transform, model, batches, loss_fn, keys)
-    optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(loss_fn),
-        l2_reg=0.0,
-        learning_rate_schedule=lr,
-        damping_schedule=damping,
-        num_burnin_steps=0,
+    optimizer = _optimizer(
+        loss_fn,
+        step_rule=eqx_kfac.MomentumStep(eqx_kfac.ScheduledHyperparameter(lr)),
+        damping_rule=eqx_kfac.ScheduledDamping(damping),
         **common,
     )
     expected = _run_optimizer(optimizer, model, batches, keys, momentum=m)
