@@ -42,6 +42,7 @@ class GuardState(eqx.Module):
     - `stall_cause`: why the last step stalled (`GuardDecision.stall_cause`).
     - `total_skipped`, `total_rejected`: the numbers of skipped and rejected steps so far.
     - `last_loss`: the last step's loss (float32), for the messages.
+    - `last_fault`: why the last step was not applied (`GuardDecision.fault`), for the messages.
     """
 
     steps: Int[Array, ""]
@@ -52,6 +53,7 @@ class GuardState(eqx.Module):
     total_skipped: Int[Array, ""]
     total_rejected: Int[Array, ""]
     last_loss: Float[Array, ""]
+    last_fault: Int[Array, ""]
 
 
 class GuardDecision(eqx.Module):
@@ -67,6 +69,9 @@ class GuardDecision(eqx.Module):
       update is zero though the gradient is not (a learning rate of 0), `3` the update is not zero
       but below the parameters' resolution.
     - `loss`: the step's loss.
+    - `fault`: `0` when applied; `1` the loss or gradient is not finite, `2` both are finite but
+      the update is not (the direction: e.g. a linear solve that did not converge), `3` a label
+      of the batch is invalid, `4` rejected.
     """
 
     applied: Bool[Array, ""]
@@ -74,6 +79,7 @@ class GuardDecision(eqx.Module):
     rejected: Bool[Array, ""]
     stall_cause: Int[Array, ""]
     loss: Float[Array, ""]
+    fault: Int[Array, ""]
 
     @property
     def stalled(self) -> Bool[Array, ""]:
@@ -96,6 +102,20 @@ _FAULTS_MESSAGE = (
     "a run on one fixed batch can do once it has converged, when its loss is near zero and rounds "
     "by more than `rounding_tolerance` (StepGuard) units in its last place (e.g. an exact fit); "
     "there, stop training. Pass max_consecutive_faults=None to keep skipping instead of stopping."
+)
+
+# What the last of the faults was (`GuardDecision.fault`), for the message.
+_LAST_FAULT = (
+    "",
+    " The last of them had a loss or gradient that was not finite.",
+    " The last of them had a finite loss and gradient but an update that was not: the direction "
+    "was not finite. A linear solve that did not converge gives NaN (an iterative inverse_solver "
+    "such as lineax.CG or lineax.GMRES out of max_steps, or a solve of an indefinite matrix): "
+    "raise the solver's max_steps or loosen its rtol/atol, raise the damping, or drop "
+    "inverse_solver for the exact factor-wise inverses. A curvature estimate that overflowed does "
+    "this too.",
+    " The last of them had invalid labels.",
+    " The last of them was rejected (its loss rose).",
 )
 
 _BEFORE = {
@@ -213,7 +233,7 @@ class StepGuard(eqx.Module):
     def init(self) -> GuardState:
         """The guard's state before the first step."""
         zero = jnp.zeros((), jnp.int32)
-        return GuardState(zero, zero, zero, zero, zero, zero, zero, jnp.zeros((), jnp.float32))
+        return GuardState(zero, zero, zero, zero, zero, zero, zero, jnp.zeros((), jnp.float32), zero)
 
     def decide(
         self,
@@ -242,11 +262,11 @@ class StepGuard(eqx.Module):
         A `GuardDecision`.
         """
         loss = jnp.asarray(loss)
+        inputs_finite = jnp.isfinite(loss) & all_finite(grads)
+        valid = jnp.ones((), bool) if targets_in_range is None else targets_in_range
         if self.skip_non_finite:
             # `all_finite(grads)` is the step's own check of the gradient, which XLA computes once.
-            skipped = ~(jnp.isfinite(loss) & all_finite(grads) & all_finite(delta))
-            if targets_in_range is not None:
-                skipped |= ~targets_in_range
+            skipped = ~(inputs_finite & all_finite(delta) & valid)
         else:
             skipped = jnp.zeros((), bool)
         if self.reject_loss_increase:
@@ -256,7 +276,10 @@ class StepGuard(eqx.Module):
             rejected = jnp.zeros((), bool)
         applied = ~(skipped | rejected)
         cause = jnp.where(applied, self._stall_cause(grads, delta, params), 0)
-        return GuardDecision(applied, skipped, rejected, cause, loss.astype(jnp.float32))
+        fault = jnp.select(
+            [applied, rejected, ~valid, ~inputs_finite], [0, 4, 3, 1], 2
+        ).astype(jnp.int32)
+        return GuardDecision(applied, skipped, rejected, cause, loss.astype(jnp.float32), fault)
 
     def _stall_cause(self, grads: PyTree, delta: PyTree, params: PyTree | None) -> Int[Array, ""]:
         """`GuardDecision.stall_cause` of an applied step (one pass over the three vectors)."""
@@ -291,6 +314,7 @@ class StepGuard(eqx.Module):
             total_skipped=state.total_skipped + decision.skipped.astype(jnp.int32),
             total_rejected=state.total_rejected + decision.rejected.astype(jnp.int32),
             last_loss=decision.loss,
+            last_fault=decision.fault,
         )
 
     def _failed(self, count: Any) -> Any:
@@ -299,9 +323,10 @@ class StepGuard(eqx.Module):
     def _stalled(self, count: Any) -> Any:
         return self.max_consecutive_stalls is not None and count >= self.max_consecutive_stalls
 
-    def _faults_message(self, first: str) -> str:
+    def _faults_message(self, first: str, last_fault: int = 0) -> str:
         before = _BEFORE[self.skip_non_finite, self.reject_loss_increase]
-        return _FAULTS_MESSAGE.format(n=self.max_consecutive_faults, first=first, before=before)
+        message = _FAULTS_MESSAGE.format(n=self.max_consecutive_faults, first=first, before=before)
+        return message + _LAST_FAULT[last_fault]
 
     def _stall_message(self, cause: int, loss: str) -> str:
         return _STALL_MESSAGE.format(n=self.max_consecutive_stalls, loss=loss, cause=_STALL_CAUSES[cause - 1])
@@ -318,7 +343,7 @@ class StepGuard(eqx.Module):
         """
         if self._failed(int(state.consecutive_faults)):
             first = f" (the first of them was step {int(state.fault_start)}, counting from 0)"
-            raise RuntimeError(self._faults_message(first))
+            raise RuntimeError(self._faults_message(first, int(state.last_fault)))
         if self._stalled(int(state.consecutive_stalls)):
             loss = f" (the last loss: {float(state.last_loss):.4g})"
             raise RuntimeError(self._stall_message(int(state.stall_cause), loss))
