@@ -2,14 +2,21 @@
 
 `KEYWORDS` is the one place where the keywords that build a part, and their defaults (kfac-jax's),
 are written (`eqx_kfac.kfac_jax.Optimizer.__init__` repeats the defaults in its signature for
-users' sake; a test checks that they agree). `parts_from_keywords` builds each part from its keywords, unless the part was given
-directly, in which case giving any of its keywords too is an error.
+users' sake; a test checks that they agree). `parts_from_keywords` builds each part from its
+keywords, unless the part was given directly, in which case giving any of its keywords too is an
+error. `REFUSED` and `IGNORED` are kfac-jax's keywords with no part of their own, `built` the
+whole translation of the constructor's arguments.
 """
 
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from .._curvature.estimators import default_batch_size_extractor
+from .._optim.execution import MultiDevice, StepOptions
+from .._optim.optimizer import build_value_function
+from .._optim.preconditioner import CurvatureOptions, Preconditioner
+from .._optim.value_function import ValueFunction
 from .._optim.damping import AbstractDampingRule, GivenDamping, LevenbergMarquardtDamping, ScheduledDamping
 from .._optim.direction import AbstractDirection, PreconditionedGradient
 from .._optim.guard import StepGuard
@@ -185,3 +192,138 @@ def parts_from_keywords(keywords: Mapping[str, Any], given: Mapping[str, Any]) -
             )
         parts[part] = given[part]
     return Parts(**parts)
+
+
+# kfac-jax's keywords with no part of their own: accepted at kfac-jax's default; another value
+# raises `NotImplementedError` with what to do instead.
+REFUSED: Mapping[str, tuple[Any, str]] = {
+    "regularized_parameters_path_exclusions": (
+        "", "l2_reg's curvature term covers every parameter here. Pass l2_reg=0.0 (your loss keeps "
+        "its regulariser; only its curvature term, a diagonal l2_reg, is left out) or use "
+        "eqx_kfac.Optimizer with the regulariser in the damping."
+    ),
+    "precon_damping_mult": (1.0, "the preconditioner uses the damping itself; scale the damping instead."),
+    "precon_damping_schedule": (
+        None, "the preconditioner uses the damping itself: give the schedule as damping_schedule=."
+    ),
+    "custom_estimator_ctor": (
+        None, "the estimator is eqx_kfac's BlockDiagonalCurvature: choose its blocks with "
+        "layer_tag_to_block_ctor= or index_to_block_ctor=, its patterns with graph_patterns=."
+    ),
+    "invalid_metric_value": (math.nan, "a statistic not computed at a step is NaN."),
+    "include_registered_loss_in_stats": (
+        False, "init checks the loss against its registrations; "
+        "eqx_kfac.BlockDiagonalCurvature(loss, args).registrations() lists them."
+    ),
+    "num_estimator_samples": (1, "the estimates draw one sample per example; use a larger batch."),
+    "norm_to_scale_identity_weight_per_block": (None, "every block gets the same damping."),
+    "precon_power": (-1.0, "the preconditioner is the curvature's inverse (power -1)."),
+}
+
+# kfac-jax's keywords accepted at any value and ignored, each for the reason given.
+IGNORED: Mapping[str, tuple[Any, str]] = {
+    "debug": (False, "the step is an ordinary function: jax.disable_jit() runs it uncompiled."),
+    "forbid_setting_attributes_after_finalize": (True, "the optimizer is an immutable eqx.Module."),
+    "modifiable_attribute_exceptions": ((), "the optimizer is an immutable eqx.Module."),
+    "should_vmap_estimator_samples": (False, "one sample per example (num_estimator_samples=1)."),
+}
+
+# The matrices of kfac-jax's exact quadratic model that eqx_kfac's is: the GGN, or the Fisher
+# after the estimation mode, which are the same matrix for every registered negative
+# log-likelihood of `eqx_kfac` (natural parameters of an exponential family).
+QUAD_MODEL_MATRICES = ("ggn", "fisher")
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    if isinstance(default, float) and math.isnan(default):
+        return isinstance(value, float) and math.isnan(value)
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError):  # an array's comparison
+        return False
+
+
+def _check_refused(arguments: Mapping[str, Any]) -> None:
+    for name, (default, instead) in REFUSED.items():
+        value = arguments[name]
+        if name == "norm_to_scale_identity_weight_per_block" and value == "none":
+            continue
+        if not _is_default(value, default):
+            raise NotImplementedError(
+                f"kfac_jax.Optimizer({name}={value!r}) is not supported by eqx_kfac (only "
+                f"{default!r}): {instead}"
+            )
+    if arguments["exact_quad_model_matrix_type"] not in QUAD_MODEL_MATRICES:
+        raise NotImplementedError(
+            f"kfac_jax.Optimizer(exact_quad_model_matrix_type={arguments['exact_quad_model_matrix_type']!r}) "
+            f"is not supported by eqx_kfac: the exact quadratic model uses the GGN (equal to the "
+            f"Fisher for the registered losses); pass one of {QUAD_MODEL_MATRICES}."
+        )
+
+
+class Built(NamedTuple):
+    """Everything `eqx_kfac.kfac_jax.Optimizer` holds, built from its arguments."""
+
+    function: ValueFunction
+    preconditioner: Preconditioner
+    parts: Parts
+    devices: MultiDevice | None
+    options: StepOptions
+
+
+def _devices(a: Mapping[str, Any]) -> MultiDevice | None:
+    if a["shard_state"] and not a["multi_device"]:
+        raise ValueError("shard_state=True shards the state over the devices: it needs multi_device=True.")
+    if not a["multi_device"]:
+        return None
+    return MultiDevice(a["mesh"], a["pmap_axis_name"], a["distributed_inverses"], a["shard_state"])
+
+
+def _curvature(a: Mapping[str, Any]) -> CurvatureOptions:
+    auto_register_kwargs = dict(a["auto_register_kwargs"] or {})
+    if not a["use_automatic_registration"]:
+        auto_register_kwargs["auto_register_tags"] = False
+    extractor = a["batch_size_extractor"]
+    return CurvatureOptions(
+        estimation_mode=a["estimation_mode"] or "ggn_curvature_prop",
+        layer_tag_to_block_ctor=a["layer_tag_to_block_ctor"], index_to_block_ctor=a["index_to_block_ctor"],
+        auto_register_kwargs=auto_register_kwargs, inverse_solver=a["inverse_solver"],
+        on_unmatched=a["on_unmatched"],
+        # kfac-jax's default extractor (the first leaf's leading axis) is left to the registered
+        # losses, which know the batch axis; an extractor of the user's is checked against them.
+        batch_size_extractor=None if extractor is default_batch_size_extractor else extractor,
+        graph_patterns=a["graph_patterns"], patterns_to_skip=a["patterns_to_skip"],
+        register_only_generic=a["register_only_generic"],
+    )
+
+
+def built(a: Mapping[str, Any]) -> Built:
+    """Translates `eqx_kfac.kfac_jax.Optimizer`'s arguments into its fields.
+
+    **Arguments:**
+
+    - `a`: every argument of the constructor by name.
+
+    **Returns:**
+
+    The `Built` fields; a keyword of `REFUSED` away from its default raises
+    `NotImplementedError`, conflicting keywords `ValueError`.
+    """
+    _check_refused(a)
+    keywords = {name: a[name] for part in KEYWORDS.values() for name in part}
+    given = {part: a[part] for part in _BUILDERS}
+    parts = parts_from_keywords(keywords, given)
+    function = build_value_function(
+        a["value_and_grad_func"], a["value_func"], a["value_func_for_estimator"],
+        (a["value_func_has_aux"], a["value_func_has_state"], a["value_func_has_rng"]), a["batch_process_func"],
+    )
+    options = StepOptions(
+        donate_parameters=a["donate_parameters"], donate_optimizer_state=a["donate_optimizer_state"],
+        donate_batch_inputs=a["donate_batch_inputs"], donate_func_state=a["donate_func_state"],
+        compiler_options=a["compiler_options"], include_norms_in_stats=a["include_norms_in_stats"],
+        include_per_param_norms_in_stats=a["include_per_param_norms_in_stats"],
+    )
+    preconditioner = Preconditioner(_curvature(a), parts.refresh, parts.direction)
+    return Built(function, preconditioner, parts, _devices(a), options)

@@ -1,12 +1,13 @@
-"""`eqx_kfac.kfac_jax.Optimizer`: kfac-jax's `Optimizer`, its keywords and defaults, on
-`eqx_kfac`'s parts."""
+"""`eqx_kfac.kfac_jax.Optimizer`: kfac-jax's `Optimizer`, its keywords, defaults and calling
+convention, on `eqx_kfac`'s parts."""
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
 from jax.typing import ArrayLike
+from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.compiled import COMPILER_OPTIONS
 from .._optim.damping import AbstractDampingRule
@@ -14,29 +15,25 @@ from .._optim.direction import AbstractDirection
 from .._optim.execution import MultiDevice, StepOptions
 from .._optim.guard import StepGuard
 from .._optim.hyperparameters import Schedule
-from .._optim.optimizer import AbstractKFACOptimizer, build_value_function
-from .._optim.preconditioner import CurvatureOptions, Preconditioner
+from .._optim.optimizer import AbstractKFACOptimizer
+from .._optim.optimizer_state import OptimizerState
+from .._optim.preconditioner import Preconditioner
 from .._optim.refresh import AbstractRefreshSchedule
 from .._optim.step_rule import AbstractStepRule
 from .._optim.value_function import ValueFunction
-from ._keywords import KEYWORDS, parts_from_keywords
-
-
-def _devices(multi_device: bool, mesh: Any, axis_name: str, distributed_inverses: bool, shard_state: bool):
-    if shard_state and not multi_device:
-        raise ValueError("shard_state=True shards the state over the devices: it needs multi_device=True.")
-    if not multi_device:
-        return None
-    return MultiDevice(mesh, axis_name, distributed_inverses, shard_state)
+from ._keywords import built
+from ._replicated import is_per_device, merged_batch, replicated, unreplicated
 
 
 class Optimizer(AbstractKFACOptimizer):
-    """kfac-jax's `Optimizer`: the same keywords, meanings and defaults, built from `eqx_kfac`'s
-    parts (final). `import eqx_kfac.kfac_jax as kfac_jax` runs kfac-jax code; the defaults are
-    kfac-jax's (no bounds or trust region on the adapted coefficients, no step rejection, every
-    finite batch folded in, `min_damping=1e-8`, `initial_damping` required with adaptive damping,
-    no stop after faults in a row). `eqx_kfac.Optimizer(value_and_grad_func)` is the recommended
-    configuration instead; the "Migrating from kfac-jax" page lists the differences.
+    """kfac-jax's `Optimizer` (final): the keywords of kfac-jax's HEAD, in its order, with its
+    defaults, meanings and calling convention, built from `eqx_kfac`'s parts. With
+    `import eqx_kfac.kfac_jax as kfac_jax`, kfac-jax code runs unchanged: no bounds or trust region
+    on the adapted coefficients, no step rejection, every finite batch folded in,
+    `min_damping=1e-8`, `initial_damping` required with adaptive damping, the estimation mode
+    `ggn_curvature_prop`, no stop after faults in a row. `eqx_kfac.Optimizer(value_and_grad_func)`
+    is the recommended configuration instead; the "Migrating from kfac-jax" page lists the
+    differences and the keywords refused.
     """
 
     function: ValueFunction
@@ -49,120 +46,139 @@ class Optimizer(AbstractKFACOptimizer):
     options: StepOptions
 
     def __init__(
-        self,
-        value_and_grad_func: Callable[..., Any],
-        l2_reg: float,
-        value_func_has_aux: bool = False,
-        value_func_has_state: bool = False,
-        value_func_has_rng: bool = False,
-        use_adaptive_learning_rate: bool = False,
-        learning_rate_schedule: Schedule | None = None,
-        use_adaptive_momentum: bool = False,
-        momentum_schedule: Schedule | None = None,
-        use_adaptive_damping: bool = False,
-        damping_schedule: Schedule | None = None,
-        initial_damping: float | None = None,
-        min_damping: float = 1e-8,
-        max_damping: float = math.inf,
-        include_damping_in_quad_change: bool = False,
-        damping_adaptation_interval: int = 5,
-        damping_adaptation_decay: float = 0.9,
-        damping_lower_threshold: float = 0.25,
-        damping_upper_threshold: float = 0.75,
-        always_use_exact_qmodel_for_damping_adjustment: bool = False,
-        norm_constraint: float | None = None,
-        num_burnin_steps: int = 10,
-        estimation_mode: str = "ggn_curvature_prop",
-        curvature_ema: float = 0.95,
-        inverse_update_period: int = 5,
-        use_exact_inverses: bool = False,
-        batch_process_func: Callable[[Any], Any] | None = None,
-        register_only_generic: bool = False,
-        patterns_to_skip: Sequence[str] = (),
-        auto_register_kwargs: Mapping[str, Any] | None = None,
-        layer_tag_to_block_ctor: Mapping[str, Any] | None = None,
-        multi_device: bool = False,
-        mesh: Any = None,
-        pmap_axis_name: str = "kfac_axis",
-        batch_size_extractor: Callable[[Any], Any] | None = None,
-        include_norms_in_stats: bool = False,
-        include_per_param_norms_in_stats: bool = False,
-        distributed_precon_apply: bool = True,
-        distributed_inverses: bool = True,
-        skip_non_finite: bool = True,
-        *,
-        use_step_rejection: bool = False,
-        shard_state: bool = False,
-        use_initial_damping_calibration: bool = False,
-        reject_damping_increase_factor: float = 1.0,
-        raise_damping_at_once: bool = False,
-        adaptive_learning_rate_bounds: tuple[float, float] | None = None,
-        adaptive_momentum_bounds: tuple[float, float] | None = None,
-        max_predicted_decrease: float | None = None,
-        max_statistics_growth: float | ArrayLike | None = None,
-        max_consecutive_faults: int | None = None,
-        max_consecutive_stalls: int | None = None,
-        stop_in_program: bool = False,
-        curvature_update_period: int = 1,
-        value_func: Callable[..., Any] | None = None,
+        self, value_and_grad_func: Callable[..., Any], l2_reg: float,
+        regularized_parameters_path_exclusions: str = "",
+        value_func_has_aux: bool = False, value_func_has_state: bool = False, value_func_has_rng: bool = False,
         value_func_for_estimator: Callable[..., Any] | None = None,
-        donate_parameters: bool = False,
-        donate_optimizer_state: bool = False,
-        donate_batch_inputs: bool = False,
-        donate_func_state: bool = False,
-        inverse_solver: Any = None,
-        on_unmatched: str = "warn",
-        graph_patterns: Sequence[Any] | None = None,
-        index_to_block_ctor: Mapping[Any, Any] | None = None,
-        damping_rule: AbstractDampingRule | None = None,
-        step_rule: AbstractStepRule | None = None,
-        direction: AbstractDirection | None = None,
-        refresh: AbstractRefreshSchedule | None = None,
-        guard: StepGuard | None = None,
+        use_adaptive_learning_rate: bool = False, learning_rate_schedule: Schedule | None = None,
+        use_adaptive_momentum: bool = False, momentum_schedule: Schedule | None = None,
+        use_adaptive_damping: bool = False, damping_schedule: Schedule | None = None,
+        initial_damping: float | None = None, use_initial_damping_calibration: bool = False,
+        min_damping: float = 1e-8, max_damping: float = math.inf, include_damping_in_quad_change: bool = False,
+        damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.9,
+        damping_lower_threshold: float = 0.25, damping_upper_threshold: float = 0.75,
+        always_use_exact_qmodel_for_damping_adjustment: bool = False,
+        precon_damping_mult: float = 1.0, precon_damping_schedule: Schedule | None = None,
+        use_step_rejection: bool = False, reject_damping_increase_factor: float = 1.0,
+        norm_constraint: float | None = None, num_burnin_steps: int = 10, estimation_mode: str | None = None,
+        custom_estimator_ctor: Callable[..., Any] | None = None, curvature_ema: float = 0.95,
+        curvature_update_period: int = 1, inverse_update_period: int = 5, use_exact_inverses: bool = False,
+        batch_process_func: Callable[[Any], Any] | None = None, register_only_generic: bool = False,
+        patterns_to_skip: Sequence[str] = (), use_automatic_registration: bool = True,
+        auto_register_kwargs: Mapping[str, Any] | None = None,
+        layer_tag_to_block_ctor: Mapping[str, Any] | None = None, multi_device: bool = False,
+        debug: bool = False, invalid_metric_value: float = math.nan,
+        batch_size_extractor: Callable[[Any], Any] | None = None, pmap_axis_name: str = "batch_axis",
+        forbid_setting_attributes_after_finalize: bool = True, modifiable_attribute_exceptions: Sequence[str] = (),
+        include_norms_in_stats: bool = False, include_per_param_norms_in_stats: bool = False,
+        include_registered_loss_in_stats: bool = False, distributed_precon_apply: bool = True,
+        distributed_inverses: bool = True, num_estimator_samples: int = 1,
+        should_vmap_estimator_samples: bool = False, norm_to_scale_identity_weight_per_block: str | None = None,
+        precon_power: float = -1.0, exact_quad_model_matrix_type: str = "ggn",
+        *,
+        skip_non_finite: bool = True, raise_damping_at_once: bool = False,
+        adaptive_learning_rate_bounds: tuple[float, float] | None = None,
+        adaptive_momentum_bounds: tuple[float, float] | None = None, max_predicted_decrease: float | None = None,
+        max_statistics_growth: float | ArrayLike | None = None, max_consecutive_faults: int | None = None,
+        max_consecutive_stalls: int | None = None, stop_in_program: bool = False,
+        value_func: Callable[..., Any] | None = None, mesh: Any = None, shard_state: bool = False,
+        donate_parameters: bool = False, donate_optimizer_state: bool = False,
+        donate_batch_inputs: bool = False, donate_func_state: bool = False, inverse_solver: Any = None,
+        on_unmatched: str = "warn", graph_patterns: Sequence[Any] | None = None,
+        index_to_block_ctor: Mapping[Any, Any] | None = None, damping_rule: AbstractDampingRule | None = None,
+        step_rule: AbstractStepRule | None = None, direction: AbstractDirection | None = None,
+        refresh: AbstractRefreshSchedule | None = None, guard: StepGuard | None = None,
         compiler_options: Mapping[str, Any] | None = COMPILER_OPTIONS,
     ):
-        """**Arguments:** kfac-jax's keywords (see its documentation and the "Migrating from
-        kfac-jax" page); the ones after `skip_non_finite` are `eqx_kfac`'s, each a field of a part:
+        """**Arguments:** kfac-jax's keywords, in kfac-jax's order (see its documentation and the
+        "Migrating from kfac-jax" page). `estimation_mode=None` is `"ggn_curvature_prop"`;
+        `batch_size_extractor=None` (or `kfac_jax.utils.default_batch_size_extractor`) reads the
+        batch size off the registered losses. Keywords of kfac-jax's that map onto no part of
+        `eqx_kfac` (`precon_power`, `precon_damping_mult`, `custom_estimator_ctor`, ...) are
+        accepted at kfac-jax's default and raise `NotImplementedError` otherwise, saying what to
+        do; `debug`, `forbid_setting_attributes_after_finalize`, `modifiable_attribute_exceptions`
+        and `should_vmap_estimator_samples` are ignored (the reasons are in `_keywords.IGNORED`).
 
-        - the guard (`StepGuard`): `skip_non_finite`, `use_step_rejection`,
-          `max_consecutive_faults`, `max_consecutive_stalls`, `stop_in_program`;
-        - the damping (`LevenbergMarquardtDamping`): `reject_damping_increase_factor`,
-          `raise_damping_at_once`, `use_initial_damping_calibration`;
-        - the step rule (`MomentumStep`): `adaptive_learning_rate_bounds`,
-          `adaptive_momentum_bounds` (`None`: unbounded), `max_predicted_decrease`;
-        - the refresh (`RefreshSchedule`): `curvature_update_period`, `max_statistics_growth`;
-        - the curvature (`CurvatureOptions`): `inverse_solver`, `on_unmatched`,
-          `graph_patterns`, `index_to_block_ctor`;
-        - devices (`MultiDevice`): `shard_state`; the step (`StepOptions`): the `donate_*`
-          flags, `compiler_options`;
-        - `value_func`: the loss, when `value_and_grad_func` has no `__wrapped__`;
-        - `damping_rule`, `step_rule`, `direction`, `refresh`, `guard`: parts given directly
-          instead of through the keywords that build them (giving both raises `ValueError`).
+        The keyword-only arguments are `eqx_kfac`'s, each a field of a part: the guard's
+        (`skip_non_finite`, `max_consecutive_faults`, `max_consecutive_stalls`,
+        `stop_in_program`), the damping's (`raise_damping_at_once`), the step rule's
+        (`adaptive_learning_rate_bounds`, `adaptive_momentum_bounds`, `max_predicted_decrease`),
+        the refresh's (`max_statistics_growth`), the curvature's (`inverse_solver`,
+        `on_unmatched`, `graph_patterns`, `index_to_block_ctor`), the devices' (`mesh`,
+        `shard_state`), the step's (the `donate_*` flags, `compiler_options`); `value_func` is
+        the loss when `value_and_grad_func` has no `__wrapped__`; `damping_rule`, `step_rule`,
+        `direction`, `refresh`, `guard` are parts given directly instead of through the keywords
+        that build them (giving both raises `ValueError`).
         """
         arguments = dict(locals())
-        keywords = {name: arguments[name] for part in KEYWORDS.values() for name in part}
-        given = dict(damping_rule=damping_rule, step_rule=step_rule, direction=direction, refresh=refresh, guard=guard)
-        parts = parts_from_keywords(keywords, given)
-        self.devices = _devices(multi_device, mesh, pmap_axis_name, distributed_inverses, shard_state)
-        self.function = build_value_function(
-            value_and_grad_func, value_func, value_func_for_estimator,
-            (value_func_has_aux, value_func_has_state, value_func_has_rng), batch_process_func,
-        )
+        parts = built(arguments)
+        self.function = parts.function
         self.l2_reg = l2_reg
-        curvature = CurvatureOptions(
-            estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
-            index_to_block_ctor=index_to_block_ctor, auto_register_kwargs=auto_register_kwargs,
-            inverse_solver=inverse_solver, on_unmatched=on_unmatched,
-            batch_size_extractor=batch_size_extractor, graph_patterns=graph_patterns,
-            patterns_to_skip=patterns_to_skip, register_only_generic=register_only_generic,
+        self.preconditioner = parts.preconditioner
+        self.step_rule = parts.parts.step_rule
+        self.damping_rule = parts.parts.damping_rule
+        self.guard = parts.parts.guard
+        self.devices = parts.devices
+        self.options = parts.options
+
+    def _replicated_convention(self, rng: Any) -> bool:
+        return self.multi_device and is_per_device(rng)
+
+    def init(
+        self, params: PyTree, rng: PRNGKeyArray, batch: PyTree, func_state: PyTree = None
+    ) -> OptimizerState:
+        """Creates the optimizer state, as `eqx_kfac.Optimizer.init`. Under `multi_device=True`
+        with one key per device (kfac-jax's replicated convention: `params` and `func_state`
+        replicated over the local devices, `batch` with a leading device axis), the state comes
+        back replicated too.
+
+        **Arguments:**
+
+        - `params`, `rng`, `batch`, `func_state`: as for `eqx_kfac.Optimizer.init`, or in
+          kfac-jax's replicated convention.
+
+        **Returns:**
+
+        An `Optimizer.State` (replicated in kfac-jax's convention).
+        """
+        if not self._replicated_convention(rng):
+            return super().init(params, rng, batch, func_state)
+        state = super().init(unreplicated(params), unreplicated(rng), merged_batch(batch), unreplicated(func_state))
+        return replicated(state, self.pmap_axis_name)
+
+    def step(
+        self, params: PyTree, state: OptimizerState, rng: PRNGKeyArray, data_iterator: Any = None,
+        batch: PyTree = None, func_state: PyTree = None, learning_rate: ArrayLike | None = None,
+        momentum: ArrayLike | None = None, damping: ArrayLike | None = None, global_step_int: int | None = None,
+    ) -> tuple[Any, ...]:
+        """Takes one K-FAC step, as `eqx_kfac.Optimizer.step`. Under `multi_device=True` with one
+        key per device (kfac-jax's replicated convention), `params`, `state`, `func_state` and
+        the given `learning_rate`, `momentum`, `damping` are replicated over the local devices,
+        the batches have a leading device axis (merged, devices first, into the global batch),
+        and every output comes back replicated, `stats` included (as kfac-jax's `pmap` returns
+        it: `stats["loss"][0]`).
+
+        **Arguments:**
+
+        - as for `eqx_kfac.Optimizer.step`, or in kfac-jax's replicated convention.
+
+        **Returns:**
+
+        `(params, state, stats)`, or `(params, state, func_state, stats)` when
+        `value_func_has_state` (replicated in kfac-jax's convention).
+        """
+        if not self._replicated_convention(rng):
+            return super().step(
+                params, state, rng, data_iterator, batch, func_state, learning_rate, momentum, damping, global_step_int
+            )
+        iterator = None if data_iterator is None else _merged_batches(data_iterator)
+        hyper = (unreplicated(v) for v in (learning_rate, momentum, damping))
+        out = super().step(
+            unreplicated(params), unreplicated(state), unreplicated(rng), iterator,
+            None if batch is None else merged_batch(batch), unreplicated(func_state), *hyper, global_step_int,
         )
-        self.preconditioner = Preconditioner(curvature, parts.refresh, parts.direction)
-        self.step_rule = parts.step_rule
-        self.damping_rule = parts.damping_rule
-        self.guard = parts.guard
-        self.options = StepOptions(
-            donate_parameters=donate_parameters, donate_optimizer_state=donate_optimizer_state,
-            donate_batch_inputs=donate_batch_inputs, donate_func_state=donate_func_state,
-            compiler_options=compiler_options, include_norms_in_stats=include_norms_in_stats,
-            include_per_param_norms_in_stats=include_per_param_norms_in_stats,
-        )
+        return replicated(out, self.pmap_axis_name)
+
+
+def _merged_batches(data_iterator: Iterator[Any]) -> Iterator[Any]:
+    return (merged_batch(batch) for batch in data_iterator)

@@ -1,0 +1,85 @@
+"""kfac-jax's replicated calling convention, for `eqx_kfac.kfac_jax.Optimizer(multi_device=True)`.
+
+kfac-jax's multi-device optimizer takes and returns one copy of the parameters, state and function
+state per local device (`utils.replicate_all_local_devices`), one key per device
+(`utils.make_different_rng_key_on_all_devices`, `utils.p_split`), and the batch with a leading
+device axis. `eqx_kfac`'s step takes the plain values and the global batch; these functions
+convert between the two.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import PyTree
+
+from .utils import get_first, replicate_all_local_devices
+
+
+def is_per_device(rng: Any) -> bool:
+    """Whether `rng` is one key per device (kfac-jax's convention) rather than one key.
+
+    **Arguments:**
+
+    - `rng`: a typed key or a raw `uint32` key, or a stack of them.
+
+    **Returns:**
+
+    Whether it has one more leading axis than a key.
+    """
+    typed = jax.dtypes.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key)
+    return jnp.ndim(rng) == (1 if typed else 2)
+
+
+def unreplicated(tree: PyTree) -> PyTree:
+    """The first device's copy of a replicated PyTree (`None` stays `None`).
+
+    **Arguments:**
+
+    - `tree`: a PyTree of per-device arrays.
+
+    **Returns:**
+
+    The PyTree of one copy.
+    """
+    return get_first(tree)
+
+
+def merged_batch(batch: PyTree) -> PyTree:
+    """The global batch of a batch with a leading device axis: the device and example axes of
+    every array merged, devices first (the order in which `eqx_kfac` splits it again).
+
+    **Arguments:**
+
+    - `batch`: a PyTree of `(devices, examples, ...)` arrays.
+
+    **Returns:**
+
+    The PyTree of `(devices * examples, ...)` arrays.
+    """
+    def merge(x: Any) -> Any:
+        if jnp.ndim(x) < 2:
+            raise ValueError(
+                "kfac_jax.Optimizer(multi_device=True) was given one key per device (kfac-jax's "
+                "replicated convention), so every batch array needs a leading device axis and an "
+                f"example axis; got an array of shape {jnp.shape(x)}. Pass a single key to use "
+                "eqx_kfac's convention (plain values and the global batch)."
+            )
+        return jnp.reshape(x, (-1, *jnp.shape(x)[2:]))
+
+    return jax.tree.map(merge, batch)
+
+
+def replicated(tree: PyTree, axis_name: str) -> PyTree:
+    """One copy of `tree` per local device, as kfac-jax returns its outputs.
+
+    **Arguments:**
+
+    - `tree`: a PyTree.
+    - `axis_name`: the devices' axis name.
+
+    **Returns:**
+
+    The replicated PyTree.
+    """
+    return replicate_all_local_devices(tree, axis_name)
