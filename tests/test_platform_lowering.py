@@ -8,10 +8,11 @@ solver call stands outside any loop (a stack of factors is one batched call, nev
 single-matrix calls), there are no host callbacks, and bf16 parameters get float32 statistics and
 factorisations. `tests/test_no_deadlock.py` checks the CPU program.
 
-The step guard's `max_consecutive_faults` check is made in Python after a directly called step (its
-program has no host callback), but inside a caller's `jit`, as here, it is an `eqx.error_if`, whose
-run-time error is a host callback; callbacks cannot be exported, so the exported steps here turn it
-off (`max_consecutive_faults=None`).
+The steps are exported with the optimizer's defaults, the step guard's included: inside a caller's
+`jit`, as here, its stop after `max_consecutive_faults` faults in a row is no host callback (the
+caller checks with `optimizer.check(state)` in Python), unless it is built with
+`StepGuard(stop_in_program=True)`, whose run-time error (`eqx.error_if`) is one and cannot be
+exported; the last tests check both.
 """
 
 import dataclasses
@@ -204,12 +205,15 @@ MODELS = {
     "scan": (_scan, _scan_logits, 6),
 }
 SETTINGS = {
-    # Cholesky inverses of pi-adjusted factors, adaptive coefficients and damping.
-    "adaptive": (dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-                      use_adaptive_damping=True), {}, {"potrf", "cholesky"}),
+    # Cholesky inverses of pi-adjusted factors, adaptive coefficients and damping (the defaults).
+    "adaptive": ({}, {}, {"potrf", "cholesky"}),
     # Eigendecompositions (exact inverses), given coefficients.
-    "fixed": (dict(use_exact_inverses=True), dict(learning_rate=0.1, momentum=0.5, damping=1e-2),
-              {"syevd", "Eigh"}),
+    "fixed": (
+        dict(direction=eqx_kfac.PreconditionedGradient(exact_inverses=True),
+             step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping()),
+        dict(learning_rate=0.1, momentum=0.5, damping=1e-2),
+        {"syevd", "Eigh"},
+    ),
 }
 
 
@@ -222,9 +226,10 @@ def _is_leaf(x):
 
 
 @functools.cache
-def _step(model_name, setting):
+def _step(model_name, setting, guard=None):
     """The jitted step of a bf16 model and its abstract arguments (nothing is computed: the model,
-    the batch and the optimizer state are shapes, from `eqx.filter_eval_shape`)."""
+    the batch and the optimizer state are shapes, from `eqx.filter_eval_shape`); `guard`: the
+    optimizer's (`None`: its default)."""
     build, logits_of, n_in = MODELS[model_name]
     options, step_kwargs, _ = SETTINGS[setting]
 
@@ -236,9 +241,7 @@ def _step(model_name, setting):
 
     model = eqx.filter_eval_shape(lambda: _bf16(build()))
     batch = (jax.ShapeDtypeStruct((8, n_in), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
-    optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(loss), l2_reg=1e-5, max_consecutive_faults=None, **options
-    )
+    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss), l2_reg=1e-5, guard=guard, **options)
     state = eqx.filter_eval_shape(optimizer.init, model, jax.random.key(4), batch)
     arrays, static = eqx.partition((model, state, batch), _is_leaf)
 
@@ -270,3 +273,36 @@ def test_the_step_lowers_with_batched_solvers_and_no_host_callbacks(model_name, 
     factors = [s for s in jax.tree.leaves(state.estimator_state.block_states, is_leaf=_is_leaf)
                if jnp.issubdtype(s.dtype, jnp.inexact)]
     assert factors and {f.dtype for f in factors} == {jnp.dtype(jnp.float32)}
+
+
+def test_the_in_program_stop_is_a_host_callback():
+    # The property above can fail: the guard's stop inside the caller's program is a callback.
+    step, arrays, _ = _step("mlp", "fixed", eqx_kfac.StepGuard(stop_in_program=True))
+    assert host_transfers(step.lower(arrays).as_text())  # (`jax.export` refuses to export it)
+
+
+def test_without_the_in_program_stop_the_caller_checks():
+    # The default guard inside the caller's jit: faulty steps do not raise, `check` does.
+    def loss(model, batch):
+        x, y = batch
+        logits = _mlp_logits(model, x)
+        eqx_kfac.register_softmax_cross_entropy_loss(logits, y)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    optimizer = eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(loss), step_rule=eqx_kfac.MomentumStep(),
+        damping_rule=eqx_kfac.GivenDamping(), refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0),
+        guard=eqx_kfac.StepGuard(max_consecutive_faults=2),
+    )
+    model = _mlp()
+    batch = (jnp.full((8, 6), jnp.nan), jnp.zeros((8,), jnp.int32))
+    state = optimizer.init(model, jax.random.key(4), (jnp.ones((8, 6)), batch[1]))
+    step = eqx.filter_jit(
+        lambda m, s, k: optimizer.step(m, s, k, batch=batch, learning_rate=0.1, momentum=0.5, damping=1e-2)
+    )
+    for i in range(2):
+        optimizer.check(state)  # fewer than 2 faults in a row: no error
+        model, state, stats = step(model, state, jax.random.key(i))
+        assert bool(stats["skipped"])
+    with pytest.raises(RuntimeError, match="2 consecutive steps were not applied .the first of them was step 0"):
+        optimizer.check(state)
