@@ -17,6 +17,7 @@ from .._optim.execution import MultiDevice, StepOptions
 from .._optim.optimizer import build_value_function
 from .._optim.preconditioner import CurvatureOptions, Preconditioner
 from .._optim.value_function import ValueFunction
+from .curvature_blocks import check_block_ctors
 from .._optim.damping import AbstractDampingRule, GivenDamping, LevenbergMarquardtDamping, ScheduledDamping
 from .._optim.direction import AbstractDirection, PreconditionedGradient
 from .._optim.guard import StepGuard
@@ -312,6 +313,8 @@ def built(a: Mapping[str, Any]) -> Built:
     `NotImplementedError`, conflicting keywords `ValueError`.
     """
     _check_refused(a)
+    check_block_ctors(a["layer_tag_to_block_ctor"])
+    check_block_ctors(a["index_to_block_ctor"])
     keywords = {name: a[name] for part in KEYWORDS.values() for name in part}
     given = {part: a[part] for part in _BUILDERS}
     parts = parts_from_keywords(keywords, given)
