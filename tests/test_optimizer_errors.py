@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 from models import mlp_classification
 
+import eqx_kfac
 from eqx_kfac import Optimizer
 
 
@@ -13,12 +14,42 @@ PROBLEM = mlp_classification(jax.random.key(0))
 BATCH = PROBLEM.batch
 VG = eqx.filter_value_and_grad(PROBLEM.loss_fn)
 FIXED = dict(learning_rate=0.1, momentum=0.9, damping=0.1)
+# Learning rate, momentum and damping passed to `step`, no burn-in.
+GIVEN = dict(
+    step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping(),
+    refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0),
+)
 
 
 @pytest.fixture(scope="module")
 def opt_and_state():
-    opt = Optimizer(VG, l2_reg=0.0, num_burnin_steps=0)
+    opt = Optimizer(VG, **GIVEN)
     return opt, opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+
+
+@pytest.mark.parametrize(
+    "parts, match",
+    [
+        (lambda: dict(curvature=eqx_kfac.CurvatureOptions(estimation_mode="fisher_magic")),
+         "Unknown estimation_mode 'fisher_magic'"),
+        (lambda: dict(refresh=eqx_kfac.RefreshSchedule(inverse_update_period=0)),
+         "inverse_update_period must be an integer >= 1"),
+        (lambda: dict(refresh=eqx_kfac.RefreshSchedule(curvature_update_period=3, inverse_update_period=2)),
+         r"curvature_update_period \(3\) is larger than inverse_update_period \(2\)"),
+        (lambda: dict(damping_rule=eqx_kfac.LevenbergMarquardtDamping(1e-2, decay=1.5)),
+         r"LevenbergMarquardtDamping: decay must be in \(0, 1\]"),
+        (lambda: dict(damping_rule=eqx_kfac.LevenbergMarquardtDamping(1e-2, lower=0.9)),
+         r"lower \(0.9\) is above upper"),
+        (lambda: dict(step_rule=eqx_kfac.MomentumStep(momentum=eqx_kfac.AdaptiveHyperparameter(0.5, 0.1))),
+         "lower .* must not exceed upper"),
+        (lambda: dict(guard=eqx_kfac.StepGuard(max_consecutive_faults=0)),
+         "max_consecutive_faults must be None or an integer"),
+    ],
+)
+def test_bad_parts(parts, match):
+    # The parts check their fields when built (`parts` builds them inside `pytest.raises`).
+    with pytest.raises(ValueError, match=match):
+        Optimizer(VG, **parts())
 
 
 @pytest.mark.parametrize(
@@ -31,22 +62,20 @@ def opt_and_state():
         (dict(use_adaptive_damping=True, initial_damping=1.0, damping_schedule=lambda s: 0.1),
          "use_adaptive_damping=True and a damping_schedule"),
         (dict(use_adaptive_learning_rate=True, norm_constraint=1.0), "norm_constraint cannot"),
-        (dict(estimation_mode="fisher_magic"), "Unknown estimation_mode 'fisher_magic'"),
-        (dict(inverse_update_period=0), "inverse_update_period must be an integer >= 1"),
-        (dict(curvature_update_period=3, inverse_update_period=2),
-         r"curvature_update_period \(3\) is larger than inverse_update_period \(2\)"),
-        (dict(use_adaptive_damping=True, damping_adaptation_decay=1.5),
+        (dict(use_adaptive_damping=True), "use_adaptive_damping=True needs initial_damping="),
+        # The parts' errors name the keyword that set the field.
+        (dict(use_adaptive_damping=True, initial_damping=1e-2, damping_adaptation_decay=1.5),
          r"decay must be in \(0, 1\].*damping_adaptation_decay"),
-        (dict(use_adaptive_damping=True, damping_lower_threshold=0.9),
+        (dict(use_adaptive_damping=True, initial_damping=1e-2, damping_lower_threshold=0.9),
          r"lower \(0.9\) is above upper.*damping_lower_threshold"),
         (dict(use_adaptive_momentum=True, adaptive_momentum_bounds=(0.5, 0.1)),
          "lower .* must not exceed upper"),
         (dict(max_consecutive_faults=0), "max_consecutive_faults must be None or an integer"),
     ],
 )
-def test_bad_constructor_arguments(kwargs, match):
+def test_bad_kfac_jax_keywords(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        Optimizer(VG, l2_reg=0.0, **kwargs)
+        eqx_kfac.kfac_jax.Optimizer(VG, l2_reg=0.0, **kwargs)
 
 
 def test_a_value_and_grad_without_wrapped_needs_value_func():
@@ -54,7 +83,7 @@ def test_a_value_and_grad_without_wrapped_needs_value_func():
         return VG(params, batch)
 
     with pytest.raises(ValueError, match="pass value_func=loss"):
-        Optimizer(opaque, l2_reg=0.0)
+        Optimizer(opaque)
 
 
 @pytest.mark.parametrize(
@@ -71,14 +100,15 @@ def test_missing_hyperparameters(opt_and_state, kwargs, match):
         opt.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH, **kwargs)
 
 
-def test_values_for_adapted_or_scheduled_quantities():
-    adaptive = Optimizer(VG, l2_reg=0.0, use_adaptive_learning_rate=True, num_burnin_steps=0)
-    state = adaptive.init(PROBLEM.params, jax.random.key(0), BATCH)
-    with pytest.raises(ValueError, match="use_adaptive_learning_rate=True, so do not pass"):
+def test_values_for_adapted_or_scheduled_quantities(opt_and_state):
+    _, state = opt_and_state  # (step checks its keywords before it reads the state)
+    adaptive = Optimizer(
+        VG, **{**GIVEN, "step_rule": eqx_kfac.MomentumStep(eqx_kfac.AdaptiveHyperparameter())}
+    )
+    with pytest.raises(ValueError, match="so do not pass learning_rate= to step .it is adapted"):
         adaptive.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH, **FIXED)
-    scheduled = Optimizer(VG, l2_reg=0.0, damping_schedule=lambda s: 0.1, num_burnin_steps=0)
-    state = scheduled.init(PROBLEM.params, jax.random.key(0), BATCH)
-    with pytest.raises(ValueError, match="damping_schedule was given to the optimizer"):
+    scheduled = Optimizer(VG, **{**GIVEN, "damping_rule": eqx_kfac.ScheduledDamping(lambda s: 0.1)})
+    with pytest.raises(ValueError, match="so do not pass damping= to step as well"):
         scheduled.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH, **FIXED)
 
 
@@ -105,7 +135,7 @@ def test_a_loss_summed_over_the_batch_is_refused_at_init():
     def summed(params, batch):
         return PROBLEM.loss_fn(params, batch) * batch[0].shape[0]
 
-    opt = Optimizer(eqx.filter_value_and_grad(summed), l2_reg=0.0)
+    opt = Optimizer(eqx.filter_value_and_grad(summed))
     with pytest.raises(ValueError, match=r"5 \(the batch size\) times the mean of its registered losses"):
         opt.init(PROBLEM.params, jax.random.key(0), BATCH)
     # An averaged loss with a regulariser passes.
@@ -124,7 +154,7 @@ def test_batch_size_comes_from_the_registered_losses():
     def loss(trainable, batch):
         return PROBLEM.loss_fn(eqx.combine(trainable, batch[0]), batch[1:])
 
-    opt = Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0)
+    opt = Optimizer(eqx.filter_value_and_grad(loss), **GIVEN)
     state = opt.init(trainable, jax.random.key(0), frozen_first)
     *_, stats = opt.step(trainable, state, jax.random.key(1), batch=frozen_first, **FIXED)
     assert jax.tree.leaves(frozen)[0].shape[0] != 5 and int(stats["batch_size"]) == 5
@@ -135,7 +165,7 @@ def test_func_state_arguments(opt_and_state):
     with pytest.raises(ValueError, match="func_state was given but value_func_has_state=False"):
         opt.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH, func_state={"a": 1},
                  **FIXED)
-    stateful = Optimizer(VG, l2_reg=0.0, value_func_has_state=True)
+    stateful = Optimizer(VG, value_func_has_state=True)
     with pytest.raises(ValueError, match="value_func_has_state=True but func_state is None"):
         stateful.init(PROBLEM.params, jax.random.key(0), BATCH)
 
