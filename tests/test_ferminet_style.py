@@ -85,7 +85,8 @@ def _walkers(key, n=8):
 
 
 def _optimizer(value_and_grad, **kwargs):
-    return eqx_kfac.Optimizer(
+    # FermiNet's settings, with kfac-jax's keywords and defaults.
+    return eqx_kfac.kfac_jax.Optimizer(
         value_and_grad,
         l2_reg=0.0,
         value_func_has_aux=True,
@@ -231,7 +232,7 @@ def test_estimation_mode_that_does_not_fit_the_losses_raises_at_init(getkey):
         eqx_kfac.register_custom_loss(out, lambda o, t: jnp.sum((o - t) ** 4), targets=y)
         return jnp.mean(jnp.sum((out - y) ** 4, -1))
 
-    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss))
     with pytest.raises(TypeError, match="fisher_gradients.*CustomLoss"):
         optimizer.init(model, getkey(), batch)
     with pytest.raises(TypeError, match="fisher_gradients.*CustomLoss"):

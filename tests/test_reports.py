@@ -56,10 +56,7 @@ def test_two_optimizers_on_one_loss_both_report(caplog):
     loss, params, batch = _loss_and_args()
 
     def build():
-        optimizer = eqx_kfac.Optimizer(
-            jax.value_and_grad(loss), l2_reg=0.0, use_adaptive_learning_rate=True,
-            use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=1e-2,
-        )
+        optimizer = eqx_kfac.Optimizer(jax.value_and_grad(loss))
         optimizer.init(params, jax.random.key(1), batch)
 
     _check_both_report(build, caplog)

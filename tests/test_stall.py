@@ -33,9 +33,10 @@ SCALE = r"below the parameters' resolution(.|\n)*the loss's scale(.|\n)*Remove t
 
 
 def _optimizer_steps(scale, steps):
-    opt = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0,
-                             max_consecutive_stalls=STALLS, use_adaptive_learning_rate=True,
-                             use_adaptive_momentum=True, use_adaptive_damping=True)
+    opt = eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(loss), refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0),
+        guard=eqx_kfac.StepGuard(reject_loss_increase=True, max_consecutive_stalls=STALLS),
+    )
     params, state = MODEL, opt.init(MODEL, jax.random.key(0), batch(1.0))
     for i in range(steps):
         params, state, stats = opt.step(params, state, jax.random.key(i), batch=batch(scale))
@@ -71,7 +72,7 @@ def test_kfac_optax_stops_a_run_stalled_by_a_loss_scaled_by_1e_12():
 
 def test_a_zero_learning_rate_is_named_inside_jit_too():
     optimizer = eqx_kfac.kfac_optax(loss, (MODEL, batch(1.0)), learning_rate=0.0,
-                                    max_consecutive_stalls=1)
+                                    max_consecutive_stalls=1, stop_in_program=True)
     params = eqx.filter(MODEL, eqx.is_inexact_array)
 
     @eqx.filter_jit
