@@ -252,7 +252,11 @@ from ._tracing.tags import (
     dense_tag as dense_tag,
     embedding_tag as embedding_tag,
     generic_tag as generic_tag,
+    is_layer_tag_eqn as is_layer_tag_eqn,
+    is_loss_tag_eqn as is_loss_tag_eqn,
+    layer_tag_of as layer_tag_of,
     LayerTag as LayerTag,
+    loss_tag as loss_tag,
     LossTag as LossTag,
     scale_and_shift_tag as scale_and_shift_tag,
 )

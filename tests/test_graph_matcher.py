@@ -20,8 +20,8 @@ from jax.extend.core import Var
 from eqx_kfac import BlockDiagonalCurvature
 from eqx_kfac import DEFAULT_GRAPH_PATTERNS, GraphPattern, auto_register_tags
 from eqx_kfac import register_squared_error_loss
-from eqx_kfac._tracing.layer_registration import register_conv2d, register_dense, register_scale_and_shift
-from eqx_kfac._tracing.tags import LayerTag, layer_tag_of
+from eqx_kfac import register_conv2d, register_dense, register_scale_and_shift
+from eqx_kfac import LayerTag, layer_tag_of
 
 _SUBJAXPR_KEYS = {
     "jit": "jaxpr",

@@ -12,13 +12,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from eqx_kfac._tracing.layer_registration import (
+from eqx_kfac import (
     register_conv2d,
     register_dense,
     register_generic,
     register_scale_and_shift,
 )
-from eqx_kfac._tracing.tags import (
+from eqx_kfac import (
     LayerTag,
     conv2d_tag,
     dense_tag,

@@ -204,12 +204,31 @@ vector of token frequencies."""
 
 
 def layer_tag_of(eqn: JaxprEqn) -> LayerTag | None:
-    """Returns the `LayerTag` that a jaxpr equation binds, or `None` for any other equation."""
+    """The `LayerTag` that a jaxpr equation binds (to read what a traced function registered,
+    e.g. `jax.make_jaxpr(auto_register_tags(loss, args))(*args)`).
+
+    **Arguments:**
+
+    - `eqn`: an equation of a jaxpr.
+
+    **Returns:**
+
+    The tag (e.g. `eqx_kfac.dense_tag`), or `None` for any other equation.
+    """
     return _LAYER_TAGS.get(eqn.primitive)
 
 
 def is_layer_tag_eqn(eqn: JaxprEqn) -> bool:
-    """Whether a jaxpr equation binds a `LayerTag`."""
+    """Whether a jaxpr equation binds a `LayerTag`.
+
+    **Arguments:**
+
+    - `eqn`: an equation of a jaxpr.
+
+    **Returns:**
+
+    `True` for a layer tag's equation.
+    """
     return eqn.primitive in _LAYER_TAGS
 
 
@@ -319,5 +338,15 @@ loss_tag = LossTag()
 
 
 def is_loss_tag_eqn(eqn: JaxprEqn) -> bool:
-    """Whether a jaxpr equation binds the loss tag."""
+    """Whether a jaxpr equation binds the loss tag (`loss_tag`, which every `register_*_loss`
+    binds).
+
+    **Arguments:**
+
+    - `eqn`: an equation of a jaxpr.
+
+    **Returns:**
+
+    `True` for a loss tag's equation.
+    """
     return eqn.primitive is loss_tag.primitive
