@@ -15,7 +15,7 @@ The optimizer is built from parts, each an `eqx.Module` (see "Building a variant
 the recommended ones as defaults), and `eqx_kfac.kfac_jax.Optimizer`'s builds them from kfac-jax's
 keywords. The step itself is `optimizer_step.step_body`; every decision that depends on the step counter is taken
 inside the compiled graph, but for the burn-in of a directly called step (its updates run as
-programs of their own before the step, see `_step_from_iterator`), so `step` gives the same result
+programs of their own before the step, see `burnin.py`), so `step` gives the same result
 called directly or inside a user's `jit`.
 """
 
