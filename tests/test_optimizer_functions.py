@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 from models import mlp_classification
 
-from eqx_kfac import register_softmax_cross_entropy_loss
-from eqx_kfac import Optimizer
+from eqx_kfac import GivenDamping, MomentumStep, Optimizer, RefreshSchedule, register_softmax_cross_entropy_loss
 
 
 FIXED = dict(learning_rate=0.1, momentum=0.9, damping=0.01)
+GIVEN = dict(step_rule=MomentumStep(), damping_rule=GivenDamping())  # FIXED is passed to step
 
 
 def _flat(tree):
@@ -52,9 +52,9 @@ def test_state_rng_and_aux_with_batchnorm_and_dropout():
     model, func_state = eqx.nn.make_with_state(_Net)(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (6, 3))
     y = jax.random.randint(jax.random.key(2), (6,), 0, 3)
-    opt = Optimizer(eqx.filter_value_and_grad(_loss_with_everything, has_aux=True), l2_reg=0.0,
+    opt = Optimizer(eqx.filter_value_and_grad(_loss_with_everything, has_aux=True),
                     value_func_has_aux=True, value_func_has_state=True, value_func_has_rng=True,
-                    num_burnin_steps=1, inverse_update_period=1)
+                    refresh=RefreshSchedule(num_burnin_steps=1, inverse_update_period=1), **GIVEN)
     opt_state = opt.init(model, jax.random.key(3), (x, y), func_state=func_state)
     params, state = model, func_state
     for t in range(2):
@@ -91,10 +91,10 @@ def test_jax_value_and_grad_with_aux_on_a_plain_pytree_equals_the_equinox_form()
         value = problem.loss_fn(model, batch)
         return value, 2.0 * value
 
-    opt_dict = Optimizer(jax.value_and_grad(dict_loss, has_aux=True), l2_reg=0.0,
-                         value_func_has_aux=True, num_burnin_steps=0)
-    opt_eqx = Optimizer(eqx.filter_value_and_grad(problem.loss_fn), l2_reg=0.0,
-                        num_burnin_steps=0)
+    refresh = RefreshSchedule(num_burnin_steps=0)
+    opt_dict = Optimizer(jax.value_and_grad(dict_loss, has_aux=True), value_func_has_aux=True,
+                         refresh=refresh, **GIVEN)
+    opt_eqx = Optimizer(eqx.filter_value_and_grad(problem.loss_fn), refresh=refresh, **GIVEN)
     state_d = opt_dict.init(as_dict, jax.random.key(0), problem.batch)
     state_e = opt_eqx.init(problem.params, jax.random.key(0), problem.batch)
     p_d, p_e = as_dict, problem.params
@@ -110,11 +110,10 @@ def test_jax_value_and_grad_with_aux_on_a_plain_pytree_equals_the_equinox_form()
 def test_the_loss_is_recovered_from_wrapped_or_given():
     problem = mlp_classification(jax.random.key(0))
     inner = eqx.filter_value_and_grad(problem.loss_fn)
-    assert Optimizer(inner, l2_reg=0.0).function.value is problem.loss_fn
-    assert Optimizer(jax.jit(jax.value_and_grad(problem.loss_fn)), l2_reg=0.0).function.value is (
-        problem.loss_fn)
+    assert Optimizer(inner).function.value is problem.loss_fn
+    assert Optimizer(jax.jit(jax.value_and_grad(problem.loss_fn))).function.value is problem.loss_fn
 
     def opaque(params, batch):
         return inner(params, batch)
 
-    assert Optimizer(opaque, l2_reg=0.0, value_func=problem.loss_fn).function.value is problem.loss_fn
+    assert Optimizer(opaque, value_func=problem.loss_fn).function.value is problem.loss_fn
