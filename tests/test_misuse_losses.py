@@ -35,10 +35,16 @@ def _masked_cross_entropy(model, batch):
     return jnp.mean(keep * optax.softmax_cross_entropy_with_integer_labels(logits, safe))
 
 
-def _optimizer(loss, **kwargs):
+def _optimizer(loss, **curvature):
+    """`Optimizer` with scheduled coefficients, no burn-in and `CurvatureOptions(**curvature)`."""
     return eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(loss), l2_reg=0.0, learning_rate_schedule=lambda s: 0.1,
-        momentum_schedule=lambda s: 0.0, damping_schedule=lambda s: 0.1, **kwargs,
+        eqx.filter_value_and_grad(loss),
+        step_rule=eqx_kfac.MomentumStep(
+            eqx_kfac.ScheduledHyperparameter(lambda s: 0.1), eqx_kfac.ScheduledHyperparameter(lambda s: 0.0)
+        ),
+        damping_rule=eqx_kfac.ScheduledDamping(lambda s: 0.1),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0),
+        curvature=eqx_kfac.CurvatureOptions(**curvature),
     )
 
 
@@ -122,7 +128,7 @@ def _curvature_before_and_after_a_step(path, loss, batch):
         grads = eqx.filter_grad(loss)(_MODEL, batch)
         _, new_state = opt.update(grads, state, params, batch=batch, key=jax.random.key(1))
         return state.inner_state[0].estimator_state, new_state.inner_state[0].estimator_state
-    opt = _optimizer(loss, num_burnin_steps=0, estimation_mode="fisher_empirical")
+    opt = _optimizer(loss, estimation_mode="fisher_empirical")
     state = opt.init(_MODEL, jax.random.key(0), valid)
     _, new_state, stats = opt.step(_MODEL, state, jax.random.key(1), batch=batch)
     assert bool(stats["curvature_update_dropped"]) == (int(new_state.estimator_state.dropped_updates) == 1)

@@ -79,10 +79,12 @@ def test_line_search_optimizers_lower_the_loss(getkey, name):
 def test_optimizer_with_the_kronecker_sum_blocks_lowers_the_loss(getkey):
     model, batch, loss = _poisson(getkey())
     optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(loss), l2_reg=0.0, use_adaptive_learning_rate=True,
-        use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=1.0,
-        num_burnin_steps=0, estimation_mode="ggn_exact", inverse_update_period=1,
-        layer_tag_to_block_ctor={"taylor_dense": eqx_kfac.TaylorDenseKroneckerSum},
+        eqx.filter_value_and_grad(loss),
+        damping_rule=eqx_kfac.LevenbergMarquardtDamping(1.0, minimum=1e-6, fault_increase=2.0),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0, inverse_update_period=1),
+        curvature=eqx_kfac.CurvatureOptions(
+            estimation_mode="ggn_exact", layer_tag_to_block_ctor={"taylor_dense": eqx_kfac.TaylorDenseKroneckerSum}
+        ),
     )
     state = optimizer.init(model, jax.random.key(0), batch)
     first = float(loss(model, batch))
