@@ -1,7 +1,7 @@
 """kfac-jax's extension API as its users (FermiNet) write it: `register_dense(..., variant=...)`,
 `register_repeated_dense`, the exported tags, `GraphPattern` in kfac-jax's constructor form,
 `set_default_tag_to_block_ctor`, and custom patterns and blocks accepted alike by the estimator,
-`Optimizer`, `kfac_preconditioner` and `kfac_optax`."""
+`kfac_jax.Optimizer`, `kfac_preconditioner` and `kfac_optax`."""
 
 from typing import ClassVar
 
@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import eqx_kfac
+import eqx_kfac.kfac_jax as kfac_jax
 
 
 class UserDiagonal(eqx_kfac.Diagonal):
@@ -77,7 +78,8 @@ def _update(transform, params, batch):
 
 def test_custom_pattern_and_block_in_every_entry_point(getkey):
     """One custom pattern (a variant of the dense tag) and one user block, given the same way to
-    the estimator, `Optimizer`, `kfac_preconditioner` and `kfac_optax`: each registers the layer
+    the estimator, `kfac_jax.Optimizer` (kfac-jax's keywords: the patterns through
+    `auto_register_kwargs`, as FermiNet passes them), `kfac_preconditioner` and `kfac_optax`: each registers the layer
     with them, so each computes what it computes with the built-in `NaiveDiagonal` there."""
     params, batch = _params(getkey()), _batch(getkey())
     patterns = (PATTERN, *eqx_kfac.DEFAULT_GRAPH_PATTERNS)
@@ -86,7 +88,11 @@ def test_custom_pattern_and_block_in_every_entry_point(getkey):
     builtin = dict(graph_patterns=patterns, layer_tag_to_block_ctor=naive)
     expected = ("dense", "UserDiagonal", "repeated_dense1_with_bias")
     assert eqx_kfac.BlockDiagonalCurvature(_loss, (params, batch), **custom).registrations()["['w']"][:3] == expected
-    optimizer = eqx_kfac.Optimizer(jax.value_and_grad(_loss), l2_reg=0.0, use_adaptive_learning_rate=True, **custom)
+    optimizer = kfac_jax.Optimizer(
+        jax.value_and_grad(_loss), l2_reg=0.0, use_adaptive_learning_rate=True,
+        layer_tag_to_block_ctor=custom["layer_tag_to_block_ctor"],
+        auto_register_kwargs=dict(graph_patterns=patterns),
+    )
     assert optimizer.estimators((params, batch))[0].registrations()["['b']"][:3] == expected
     precondition = lambda options: eqx_kfac.kfac_preconditioner(_loss, (params, batch), damping=1e-2, **options)
     new, reference = _update(precondition(custom), params, batch), _update(precondition(builtin), params, batch)

@@ -7,7 +7,7 @@ from typing import Any
 
 import equinox as eqx
 from jax.typing import ArrayLike
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import Array, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._core.compiled import COMPILER_OPTIONS
 from .._optim.damping import AbstractDampingRule
@@ -22,7 +22,11 @@ from .._optim.refresh import AbstractRefreshSchedule
 from .._optim.step_rule import AbstractStepRule
 from .._optim.value_function import ValueFunction
 from ._keywords import built
+from .utils import Numeric
 from ._replicated import is_per_device, merged_batch, replicated, unreplicated
+
+# A key, or one key per device (kfac-jax's replicated convention).
+PerDeviceKeys = PRNGKeyArray | Key[Array, " devices"] | UInt32[Array, "devices 2"]
 
 
 class Optimizer(AbstractKFACOptimizer):
@@ -46,35 +50,35 @@ class Optimizer(AbstractKFACOptimizer):
     options: StepOptions
 
     def __init__(
-        self, value_and_grad_func: Callable[..., Any], l2_reg: float,
+        self, value_and_grad_func: Callable[..., Any], l2_reg: Numeric,
         regularized_parameters_path_exclusions: str = "",
         value_func_has_aux: bool = False, value_func_has_state: bool = False, value_func_has_rng: bool = False,
         value_func_for_estimator: Callable[..., Any] | None = None,
         use_adaptive_learning_rate: bool = False, learning_rate_schedule: Schedule | None = None,
         use_adaptive_momentum: bool = False, momentum_schedule: Schedule | None = None,
         use_adaptive_damping: bool = False, damping_schedule: Schedule | None = None,
-        initial_damping: float | None = None, use_initial_damping_calibration: bool = False,
-        min_damping: float = 1e-8, max_damping: float = math.inf, include_damping_in_quad_change: bool = False,
-        damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.9,
-        damping_lower_threshold: float = 0.25, damping_upper_threshold: float = 0.75,
+        initial_damping: Numeric | None = None, use_initial_damping_calibration: bool = False,
+        min_damping: Numeric = 1e-8, max_damping: Numeric = math.inf, include_damping_in_quad_change: bool = False,
+        damping_adaptation_interval: int = 5, damping_adaptation_decay: Numeric = 0.9,
+        damping_lower_threshold: Numeric = 0.25, damping_upper_threshold: Numeric = 0.75,
         always_use_exact_qmodel_for_damping_adjustment: bool = False,
-        precon_damping_mult: float = 1.0, precon_damping_schedule: Schedule | None = None,
-        use_step_rejection: bool = False, reject_damping_increase_factor: float = 1.0,
-        norm_constraint: float | None = None, num_burnin_steps: int = 10, estimation_mode: str | None = None,
-        custom_estimator_ctor: Callable[..., Any] | None = None, curvature_ema: float = 0.95,
+        precon_damping_mult: Numeric = 1.0, precon_damping_schedule: Schedule | None = None,
+        use_step_rejection: bool = False, reject_damping_increase_factor: Numeric = 1.0,
+        norm_constraint: Numeric | None = None, num_burnin_steps: int = 10, estimation_mode: str | None = None,
+        custom_estimator_ctor: Callable[..., Any] | None = None, curvature_ema: Numeric = 0.95,
         curvature_update_period: int = 1, inverse_update_period: int = 5, use_exact_inverses: bool = False,
         batch_process_func: Callable[[Any], Any] | None = None, register_only_generic: bool = False,
         patterns_to_skip: Sequence[str] = (), use_automatic_registration: bool = True,
         auto_register_kwargs: Mapping[str, Any] | None = None,
         layer_tag_to_block_ctor: Mapping[str, Any] | None = None, multi_device: bool = False,
-        debug: bool = False, invalid_metric_value: float = math.nan,
+        debug: bool = False, invalid_metric_value: Numeric = math.nan,
         batch_size_extractor: Callable[[Any], Any] | None = None, pmap_axis_name: str = "batch_axis",
         forbid_setting_attributes_after_finalize: bool = True, modifiable_attribute_exceptions: Sequence[str] = (),
         include_norms_in_stats: bool = False, include_per_param_norms_in_stats: bool = False,
         include_registered_loss_in_stats: bool = False, distributed_precon_apply: bool = True,
         distributed_inverses: bool = True, num_estimator_samples: int = 1,
         should_vmap_estimator_samples: bool = False, norm_to_scale_identity_weight_per_block: str | None = None,
-        precon_power: float = -1.0, exact_quad_model_matrix_type: str = "ggn",
+        precon_power: Numeric = -1.0, exact_quad_model_matrix_type: str = "ggn",
         *,
         skip_non_finite: bool = True, raise_damping_at_once: bool = False,
         adaptive_learning_rate_bounds: tuple[float, float] | None = None,
@@ -125,7 +129,7 @@ class Optimizer(AbstractKFACOptimizer):
         return self.multi_device and is_per_device(rng)
 
     def init(
-        self, params: PyTree, rng: PRNGKeyArray, batch: PyTree, func_state: PyTree = None
+        self, params: PyTree, rng: PerDeviceKeys, batch: PyTree, func_state: PyTree = None
     ) -> OptimizerState:
         """Creates the optimizer state, as `eqx_kfac.Optimizer.init`. Under `multi_device=True`
         with one key per device (kfac-jax's replicated convention: `params` and `func_state`
@@ -147,7 +151,7 @@ class Optimizer(AbstractKFACOptimizer):
         return replicated(state, self.pmap_axis_name)
 
     def step(
-        self, params: PyTree, state: OptimizerState, rng: PRNGKeyArray, data_iterator: Any = None,
+        self, params: PyTree, state: OptimizerState, rng: PerDeviceKeys, data_iterator: Any = None,
         batch: PyTree = None, func_state: PyTree = None, learning_rate: ArrayLike | None = None,
         momentum: ArrayLike | None = None, damping: ArrayLike | None = None, global_step_int: int | None = None,
     ) -> tuple[Any, ...]:
