@@ -21,6 +21,14 @@ FIXED = dict(learning_rate=0.1, momentum=0.9, damping=0.1)
 KEY = jax.random.key(0)
 
 
+def _given(vg=VG, num_burnin_steps=0, **parts):
+    """The core optimizer taking `FIXED` from `step`, with `num_burnin_steps` and other `parts`."""
+    return Optimizer(
+        vg, step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping(),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=num_burnin_steps), **parts,
+    )
+
+
 def _loss(model, batch):
     x, y = batch
     logits = jax.vmap(model)(x)
@@ -34,8 +42,8 @@ def _copy(tree):
 
 @pytest.fixture(scope="module")
 def exact_state():
-    """A state made by an optimizer with `use_exact_inverses=True` (an eigendecomposition cache)."""
-    exact = Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, use_exact_inverses=True)
+    """A state made by an optimizer with exact inverses (an eigendecomposition cache)."""
+    exact = _given(direction=eqx_kfac.PreconditionedGradient(exact_inverses=True))
     return exact.init(PROBLEM.params, KEY, BATCH)
 
 
@@ -43,19 +51,19 @@ def exact_state():
 def test_a_state_of_another_configuration_is_refused(exact_state, num_burnin_steps):
     # Was: "... has no cached approximate power -1.0: pass it to `init(...,
     # approx_powers_to_cache=...)` and call `update_cache`" (the estimator's API).
-    opt = Optimizer(VG, l2_reg=0.0, num_burnin_steps=num_burnin_steps)
-    with pytest.raises(ValueError, match=r"made by an optimizer of another configuration.*use_exact_inverses.*"
+    opt = _given(num_burnin_steps=num_burnin_steps)
+    with pytest.raises(ValueError, match=r"made by an optimizer of another configuration.*exact_inverses.*"
                                          r"`estimator_state\.block_states\[0\]\.cache\..*this optimizer's `init`"):
         opt.step(PROBLEM.params, exact_state, jax.random.key(1), batch=BATCH, **FIXED)
 
 
 def test_load_state_names_the_leaf_saved_under_another_configuration(exact_state, tmp_path):
-    opt = Optimizer(VG, l2_reg=0.0, num_burnin_steps=0)
+    opt = _given()
     eqx.tree_serialise_leaves(tmp_path / "exact.eqx", exact_state)
     # (Equinox's own error: "Error at leaf with path (GetAttrKey(...), ...)", a `TreePathError`.)
     with pytest.raises(ValueError, match=r"`estimator_state\.block_states\[0\]\.cache\.approx\.values\[0\]\[0\]` is "
                                          r"float64\[4\] in the file but float64\[4, 4\].*another configuration.*"
-                                         r"use_exact_inverses"):
+                                         r"exact_inverses"):
         opt.load_state(tmp_path / "exact.eqx", PROBLEM.params, KEY, BATCH)
     # A state saved with more arrays than this optimizer's (Equinox reads its first ones silently).
     state = opt.init(PROBLEM.params, KEY, BATCH)
@@ -74,7 +82,7 @@ def test_load_state_names_the_leaf_saved_under_another_configuration(exact_state
 
 
 def test_donated_arguments_passed_again_are_named():
-    opt = Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, donate_parameters=True, donate_optimizer_state=True)
+    opt = _given(options=eqx_kfac.StepOptions(donate_parameters=True, donate_optimizer_state=True))
     params = _copy(PROBLEM.params)
     state = opt.init(params, KEY, BATCH)
     new_params, new_state, _ = opt.step(params, state, jax.random.key(1), batch=BATCH, **FIXED)
@@ -91,7 +99,7 @@ def test_donated_arguments_passed_again_are_named():
 
 
 def test_a_burnin_iterator_that_runs_out():
-    opt = Optimizer(VG, l2_reg=0.0, num_burnin_steps=2)
+    opt = _given(num_burnin_steps=2)
     state = opt.init(PROBLEM.params, KEY, BATCH)
     # Was a bare `StopIteration`.
     with pytest.raises(ValueError, match=r"ran out after 1 batch\(es\).*num_burnin_steps=2.*\(3 in all\)"):
@@ -110,7 +118,7 @@ def test_a_model_of_another_activation_is_refused(static):
         model = eqx.nn.MLP(3, 3, 4, 1, activation=jnp.tanh, key=KEY)
         other = eqx.nn.MLP(3, 3, 4, 1, activation=jax.nn.relu, key=KEY)
         loss = _loss
-    opt = Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0)
+    opt = _given(eqx.filter_value_and_grad(loss))
     state = opt.init(model, KEY, BATCH)
     with pytest.raises(ValueError, match=r"`activation` is the function relu here, the function tanh at init.*"
                                          r"call init again"):
@@ -118,7 +126,7 @@ def test_a_model_of_another_activation_is_refused(static):
 
 
 def test_parameters_of_another_shape_are_named():
-    opt = Optimizer(VG, l2_reg=0.0, num_burnin_steps=0)
+    opt = _given()
     state = opt.init(PROBLEM.params, KEY, BATCH)
     wider = eqx.tree_at(lambda m: m.layers[1].bias, PROBLEM.params, jnp.zeros(4))
     with pytest.raises(ValueError, match=r"`layers\[1\]\.bias` is float64\[4\] here, float64\[3\] at init"):
@@ -129,7 +137,7 @@ def test_an_empty_batch_is_refused():
     empty = (BATCH[0][:0], BATCH[1][:0])
     match = r"no examples \(its batch size.*is 0\).*at least one example"
     with pytest.raises(ValueError, match=match):
-        Optimizer(VG, l2_reg=0.0).init(PROBLEM.params, KEY, empty)
+        Optimizer(VG).init(PROBLEM.params, KEY, empty)
     with pytest.raises(ValueError, match=match):
         eqx_kfac.kfac_optax(PROBLEM.loss_fn, (PROBLEM.params, empty))
 
@@ -144,8 +152,9 @@ def test_complex_parameters_are_refused_on_both_paths():
 
     match = r"{}: .*complex: layers\[0\]\.weight \(complex128\), layers\[0\]\.bias.*trailing axis of 2"
     with pytest.raises(ValueError, match=match.format("eqx_kfac.Optimizer")):
-        Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0).init(complex_model, KEY, BATCH)
-    with pytest.raises(ValueError, match=match.format("eqx_kfac.kfac_preconditioner")):
+        Optimizer(eqx.filter_value_and_grad(loss)).init(complex_model, KEY, BATCH)
+    # (kfac_optax's message names kfac_optax, or kfac_preconditioner which builds it.)
+    with pytest.raises(ValueError, match=match.format(r"eqx_kfac\.kfac_(optax|preconditioner)")):
         eqx_kfac.kfac_optax(loss, (complex_model, BATCH))
 
 
