@@ -302,9 +302,15 @@ def test_preconditioner_with_cholesky_matches_default_exact(
         states = [s for _, s in outputs]
 
 
-def _optimizer(problem, **kwargs):
-    return eqx_kfac.Optimizer(eqx.filter_value_and_grad(problem.loss_fn), l2_reg=1e-3,
-                              num_burnin_steps=0, inverse_update_period=2, **kwargs)
+def _optimizer(problem, inverse_solver=None, exact_inverses=False):
+    """`Optimizer` with the learning rate, momentum and damping passed to `step`."""
+    return eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(problem.loss_fn), l2_reg=1e-3,
+        curvature=eqx_kfac.CurvatureOptions(inverse_solver=inverse_solver),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0, inverse_update_period=2),
+        direction=eqx_kfac.PreconditionedGradient(exact_inverses),
+        step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +321,7 @@ def cholesky_optimizer(classification):
 
 def test_optimizer_with_cholesky_solver_matches_exact_inverses(classification, cholesky_optimizer):
     problem = classification
-    exact = _optimizer(problem, use_exact_inverses=True)
+    exact = _optimizer(problem, exact_inverses=True)
     runs = []
     for opt in (exact, cholesky_optimizer):
         params = problem.params

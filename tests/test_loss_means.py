@@ -62,11 +62,7 @@ def _build(path, loss, batch):
 
     if path == "kfac_optax":
         return eqx_kfac.kfac_optax(fresh, (_MODEL, batch))
-    optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(fresh), l2_reg=0.0, learning_rate_schedule=lambda s: 0.1,
-        momentum_schedule=lambda s: 0.0, damping_schedule=lambda s: 0.1,
-    )
-    return optimizer.init(_MODEL, jax.random.key(0), batch)
+    return eqx_kfac.Optimizer(eqx.filter_value_and_grad(fresh)).init(_MODEL, jax.random.key(0), batch)
 
 
 @pytest.mark.parametrize("path", _PATHS)

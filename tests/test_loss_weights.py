@@ -138,9 +138,7 @@ def _model():
 
 def _optimizer_run(loss):
     optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(loss), l2_reg=1e-3, use_adaptive_learning_rate=True,
-        use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=1e-2,
-        inverse_update_period=1,
+        eqx.filter_value_and_grad(loss), l2_reg=1e-3, refresh=eqx_kfac.RefreshSchedule(inverse_update_period=1)
     )
     model, batch, key = _model(), (_X, _T, _W), jax.random.key(8)
     state = optimizer.init(model, key, batch)
