@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 from models import mlp_classification
 
-from eqx_kfac import COMPILER_OPTIONS, Optimizer
+from eqx_kfac import (
+    COMPILER_OPTIONS, GivenDamping, LevenbergMarquardtDamping, MomentumStep, Optimizer, RefreshSchedule,
+    StepGuard, StepOptions,
+)
 
 
 PROBLEM = mlp_classification(jax.random.key(0))
@@ -26,13 +29,19 @@ def _counting_loss(params, batch):
     return PROBLEM.loss_fn(params, batch)
 
 
-def _optimizer(**kwargs):
-    # Adaptive everything, with cached inverses and burn-in: every state field moves.
-    kwargs = dict(num_burnin_steps=2) | kwargs
-    return Optimizer(eqx.filter_value_and_grad(_counting_loss), l2_reg=1e-3,
-                     use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-                     use_adaptive_damping=True, initial_damping=1.0, damping_adaptation_interval=2,
-                     inverse_update_period=2, **kwargs)
+def _optimizer(options=None, **refresh):
+    # Adaptive everything (the default step rule and guard; the damping from 1, adapted every 2
+    # steps), with cached inverses and burn-in: every state field moves.
+    refresh = dict(num_burnin_steps=2, inverse_update_period=2) | refresh
+    return Optimizer(
+        eqx.filter_value_and_grad(_counting_loss), l2_reg=1e-3,
+        damping_rule=LevenbergMarquardtDamping(1.0, interval=2, minimum=1e-6, fault_increase=2.0),
+        refresh=RefreshSchedule(**refresh), options=options,
+    )
+
+
+# Learning rate, momentum and damping passed to `step`.
+GIVEN = dict(step_rule=MomentumStep(), damping_rule=GivenDamping())
 
 
 OPT = _optimizer()
@@ -78,10 +87,10 @@ def test_compiler_options_reach_the_directly_called_step_only():
     a user's own jit compiles with its own: the option is then ignored. The default is
     `eqx_kfac.COMPILER_OPTIONS` (read-only), whose option is for GPUs: on this CPU the steps equal
     those of XLA's defaults, and a user's jit takes it as the docs pass it."""
-    assert OPT.compiler_options == tuple(sorted(COMPILER_OPTIONS.items()))
+    assert OPT.options.compiler_options == tuple(sorted(COMPILER_OPTIONS.items()))
     with pytest.raises(TypeError):
         COMPILER_OPTIONS["xla_gpu_enable_triton_gemm"] = True
-    bogus = _optimizer(compiler_options={"xla_no_such_option_of_eqx_kfac": True})
+    bogus = _optimizer(StepOptions(compiler_options={"xla_no_such_option_of_eqx_kfac": True}))
     state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
     key = jax.random.key(1)
     with pytest.raises(Exception, match="xla_no_such_option_of_eqx_kfac"):
@@ -90,7 +99,7 @@ def test_compiler_options_reach_the_directly_called_step_only():
         lambda p, s: bogus.step(p, s, key, batch=BATCH), compiler_options=dict(COMPILER_OPTIONS)
     )
     inside = users_jit(PROBLEM.params, state0)
-    xla_defaults = _optimizer(compiler_options=None)
+    xla_defaults = _optimizer(StepOptions(compiler_options=None))
     _assert_trees_equal(inside, xla_defaults.step(PROBLEM.params, state0, key, batch=BATCH))
     _assert_trees_equal(OPT.step(PROBLEM.params, state0, key, batch=BATCH), inside)
     # The burn-in from a data iterator compiles apart, and also leaves options to the user's jit.
@@ -143,8 +152,8 @@ def test_non_finite_step_changes_nothing():
 
 
 def test_without_skipping_non_finite_values_propagate():
-    opt = Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=0.0, num_burnin_steps=0,
-                    inverse_update_period=1, skip_non_finite=False)
+    opt = Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), guard=StepGuard(skip_non_finite=False),
+                    refresh=RefreshSchedule(num_burnin_steps=0, inverse_update_period=1), **GIVEN)
     state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
     bad = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
     params, state, stats = opt.step(PROBLEM.params, state, jax.random.key(0), batch=bad,
@@ -161,7 +170,7 @@ def test_registration_report_is_logged_at_each_init_not_at_steps(caplog):
     def loss_fn(*args):
         return PROBLEM.loss_fn(*args)
 
-    opt = Optimizer(eqx.filter_value_and_grad(loss_fn), l2_reg=0.0)
+    opt = Optimizer(eqx.filter_value_and_grad(loss_fn), **GIVEN)
     with caplog.at_level(logging.INFO, logger="eqx_kfac"):
         opt.init(PROBLEM.params, jax.random.key(0), BATCH)
         state = opt.init(PROBLEM.params, jax.random.key(1), BATCH)
@@ -176,8 +185,8 @@ def test_registration_report_is_logged_at_each_init_not_at_steps(caplog):
 def test_non_finite_update_is_skipped_and_the_statistics_kept():
     # Finite loss and gradient, infinite learning rate: the update is not finite. The batch was
     # processed (its statistics folded in, the counters advance), the update is not applied.
-    opt = Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=1e-3, num_burnin_steps=0,
-                    inverse_update_period=2)
+    opt = Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=1e-3,
+                    refresh=RefreshSchedule(num_burnin_steps=0, inverse_update_period=2), **GIVEN)
     state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
     hyper = dict(momentum=0.5, damping=0.1)
     good = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH, learning_rate=0.1,
@@ -196,15 +205,8 @@ def test_non_finite_update_is_skipped_and_the_statistics_kept():
 
 
 def test_donating_step_equals_plain_step_and_consumes_its_arguments():
-    def make(**donate):
-        return Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=1e-3,
-                         use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-                         use_adaptive_damping=True, initial_damping=1.0,
-                         damping_adaptation_interval=2, inverse_update_period=2,
-                         num_burnin_steps=2, **donate)
-
-    plain = make()
-    donating = make(donate_parameters=True, donate_optimizer_state=True)
+    plain = OPT  # (its step compiled by the other tests already)
+    donating = _optimizer(StepOptions(donate_parameters=True, donate_optimizer_state=True))
     state0 = plain.init(PROBLEM.params, jax.random.key(0), BATCH)
     expected = (PROBLEM.params, state0)
     copy = jax.tree.map(lambda a: jnp.array(a, copy=True) if eqx.is_array(a) else a, expected)
@@ -226,7 +228,7 @@ def test_optimizer_holds_no_mutable_state():
     # Equal configurations give equal optimizers (no per-instance cache), which share their
     # estimators.
     def make():
-        return Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn), l2_reg=0.0)
+        return Optimizer(eqx.filter_value_and_grad(PROBLEM.loss_fn))
 
     first, second = make(), make()
     assert bool(first == second)
@@ -274,7 +276,7 @@ def test_a_short_burnin_compiles_its_update_for_compile_time(monkeypatch, burnin
     # kernels (on top of the step's own options); the step keeps its options either way.
     from eqx_kfac._optim import compilation
 
-    optimizer = _optimizer(num_burnin_steps=burnin, compiler_options={"xla_cpu_enable_fast_math": False})
+    optimizer = _optimizer(StepOptions(compiler_options={"xla_cpu_enable_fast_math": False}), num_burnin_steps=burnin)
     used = []
     original = compilation._jit
 
