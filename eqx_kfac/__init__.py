@@ -154,6 +154,10 @@ from ._optim.direction import (
     norm_constraint_scale as norm_constraint_scale,
     PreconditionedGradient as PreconditionedGradient,
 )
+from ._optim.eigenbasis_adam import (
+    EigenbasisAdam as EigenbasisAdam,
+    EigenbasisAdamState as EigenbasisAdamState,
+)
 from ._optim.guard import (
     check_consecutive_faults as check_consecutive_faults,
     GuardDecision as GuardDecision,

@@ -128,6 +128,7 @@ def initial_state(
 _STATE_PARTS = {
     "estimator_state": "curvature blocks or their caches (use_exact_inverses, inverse_solver, "
                        "layer_tag_to_block_ctor / index_to_block_ctor, the refresh schedule)",
+    "direction_state": "directions (direction=, e.g. EigenbasisAdam's moments)",
     "step_rule_state": "step rules (the momentum, adaptive learning rate or momentum, step_rule=)",
     "damping_state": "damping rules (use_adaptive_damping, damping_rule=)",
     "guard_state": "step guards (guard=)",

@@ -1,4 +1,5 @@
-"""Directions: the vector a step moves along, from the gradient and the curvature estimate."""
+"""Directions: the vector a step moves along, from the gradient, the curvature estimate and the
+direction's own state (e.g. moving averages of the gradient)."""
 
 import abc
 
@@ -14,20 +15,44 @@ from .._curvature.estimators.distributed import distributed_multiply_matpower
 
 
 class DirectionOutcome(eqx.Module):
-    """A direction and what it reports (final).
+    """A direction, the direction's next state, and what it reports (final).
 
     **Fields:**
 
     - `direction`: a parameter-space vector.
+    - `state`: the direction's state for the next step (what its `init` made, updated; `None`
+      for a direction without state).
     - `stats`: scalars for the step's statistics (e.g. `scaled_grad_norm_sq`).
     """
 
     direction: PyTree[Array]
-    stats: dict[str, Array]
+    state: PyTree[Array]
+    stats: dict[str, Array] = eqx.field(default_factory=dict)
 
 
 class AbstractDirection(eqx.Module):
-    """The step's direction from the gradient and the curvature (the extension point)."""
+    """The step's direction from the gradient, the curvature and the direction's state (the
+    extension point).
+
+    `init` makes the direction's state (kept in `Optimizer.State.direction_state`, or in
+    `KFACPreconditionerState.direction_state` on the optax path), `__call__` returns the
+    direction and the next state. Where the step's update is not applied (skipped or rejected),
+    the state is kept as it was, like the step rule's.
+    """
+
+    @abc.abstractmethod
+    def init(self, estimator: BlockDiagonalCurvature, params: PyTree[Array]) -> PyTree[Array]:
+        """The direction's state before the first step.
+
+        **Arguments:**
+
+        - `estimator`: the curvature estimator (its blocks say how the parameters are grouped).
+        - `params`: the parameters (`eqx.filter(params, eqx.is_inexact_array)`).
+
+        **Returns:**
+
+        A PyTree of arrays, or `None` for a direction without state.
+        """
 
     @abc.abstractmethod
     def powers_to_cache(self) -> tuple[int | None, int | None]:
@@ -40,17 +65,19 @@ class AbstractDirection(eqx.Module):
         estimator: BlockDiagonalCurvature,
         estimator_state: EstimatorState,
         grads: PyTree[Array],
+        state: PyTree[Array],
         identity_weight: Float[Array, ""],
         learning_rate: Float[Array, ""] | None,
         use_cached: bool,
         axis_name: str | None = None,
     ) -> DirectionOutcome:
-        """The direction and its statistics.
+        """The direction, the next state and the statistics.
 
         **Arguments:**
 
         - `estimator`, `estimator_state`: the curvature estimate (its state refreshed).
         - `grads`: the gradient.
+        - `state`: the direction's state from the previous step (`init`'s at the first).
         - `identity_weight`: `l2_reg + damping`.
         - `learning_rate`: the step's learning rate when it is fixed, `None` when it is adapted.
         - `use_cached`: whether the curvature's cached powers are fresh (the refresh schedule
@@ -87,7 +114,7 @@ def norm_constraint_scale(
 
 class PreconditionedGradient(AbstractDirection):
     """`(C + (l2_reg + λ) I)⁻¹ g`, the K-FAC direction, optionally shortened by a norm constraint
-    (final).
+    (final; no state: its `init` returns `None`).
 
     **Fields:**
 
@@ -109,11 +136,14 @@ class PreconditionedGradient(AbstractDirection):
         if isinstance(c, (int, float)) and not c > 0:
             raise ValueError(f"PreconditionedGradient: norm_constraint must be > 0, got {c}.")
 
+    def init(self, estimator, params):
+        return None
+
     def powers_to_cache(self):
         return (-1, None) if self.exact_inverses else (None, -1)
 
     def __call__(
-        self, estimator, estimator_state, grads, identity_weight, learning_rate, use_cached,
+        self, estimator, estimator_state, grads, state, identity_weight, learning_rate, use_cached,
         axis_name=None,
     ):
         args = (estimator_state, grads, identity_weight, -1, self.exact_inverses, use_cached)
@@ -122,7 +152,7 @@ class PreconditionedGradient(AbstractDirection):
         else:
             direction = estimator.multiply_matpower(*args)
         if self.norm_constraint is None:
-            return DirectionOutcome(direction, {})
+            return DirectionOutcome(direction, state)
         if learning_rate is None:
             raise ValueError(
                 "PreconditionedGradient(norm_constraint=...) needs a fixed or scheduled learning "
@@ -132,5 +162,5 @@ class PreconditionedGradient(AbstractDirection):
             optax.tree.vdot(direction, grads), learning_rate, self.norm_constraint
         )
         return DirectionOutcome(
-            scale_keeping_dtypes(direction, scale), {"scaled_grad_norm_sq": scaled_sq_norm}
+            scale_keeping_dtypes(direction, scale), state, {"scaled_grad_norm_sq": scaled_sq_norm}
         )

@@ -64,11 +64,13 @@ class GuardedTransform(eqx.Module):
     - `guard`: the `StepGuard`.
     - `loss`: `loss(params, extra_args)`, the loss on the step's batch at `params` (`None`: only
       the `value=` passed to `update`, and no step rejection).
-    - `velocity`: where the inner state keeps the momentum, or `None`.
+    - `kept_unless_applied`: where the inner state keeps what only an applied step may change
+      (the momentum, a direction's state such as `EigenbasisAdam`'s moments), as a node or a
+      tuple of nodes for `eqx.tree_at`; or `None`.
     - `advance_on_fault`: a step that is not applied but whose loss and gradient are finite (and
-      labels valid) keeps only the momentum and lets the rest of the inner state (counters,
-      curvature statistics) move on, as `Optimizer` does; otherwise it keeps the whole inner
-      state.
+      labels valid) keeps only what `kept_unless_applied` selects and lets the rest of the inner
+      state (counters, curvature statistics) move on, as `Optimizer` does; otherwise it keeps the
+      whole inner state.
     - `targets_in_range`: `targets_in_range(params, extra_args)`, whether the step's batch has no
       invalid label (`Preconditioner.targets_in_range`; `None`: not checked). A batch with one is
       skipped and keeps the whole inner state.
@@ -77,7 +79,7 @@ class GuardedTransform(eqx.Module):
     inner: optax.GradientTransformationExtraArgs
     guard: StepGuard
     loss: Callable[[Any, dict[str, Any]], Any] | None = None
-    velocity: Callable[[Any], Any] | None = None
+    kept_unless_applied: Callable[[Any], Any] | None = None
     advance_on_fault: bool = eqx.field(static=True, default=False)
     targets_in_range: Callable[[Any, dict[str, Any]], Any] | None = None
 
@@ -125,9 +127,9 @@ class GuardedTransform(eqx.Module):
         """The inner state after a step (see `advance_on_fault`)."""
         if not self.advance_on_fault:
             return select_changed(applied, new, old)
-        if self.velocity is not None:
-            velocity = select_changed(applied, self.velocity(new), self.velocity(old))
-            new = eqx.tree_at(self.velocity, new, velocity)
+        if self.kept_unless_applied is not None:
+            where = self.kept_unless_applied
+            new = eqx.tree_at(where, new, select_changed(applied, where(new), where(old)))
         return select_changed(batch_finite, new, old)
 
 

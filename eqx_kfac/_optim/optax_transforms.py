@@ -7,6 +7,7 @@ accumulation) is left to ordinary optax transformations around it; `kfac_optax` 
 recipe, guarded by the same `StepGuard` as `Optimizer` (`optax_guard.py`).
 """
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,17 +19,19 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._core.compiled import compiled
+from .._core.control_flow import select_changed
 from .._core.tree import all_finite
 from .._curvature.blocks import CurvatureBlock
 from .._curvature.blocks.linear_solver import SolverChoice
 from .._curvature.estimators import EstimatorState
 from .._tracing.layer_data import LayerSpec
 from .arguments import tree_difference
-from .direction import PreconditionedGradient
+from .direction import AbstractDirection
 from .guard import StepGuard
 from .optax_guard import check_restored, GuardedTransform, skip_non_finite, SkipNonFiniteState
+from .optax_parts import PART_KEYWORDS, preconditioner_from_keywords
 from .preconditioner import CurvatureOptions, Preconditioner
-from .refresh import RefreshSchedule
+from .refresh import AbstractRefreshSchedule
 
 
 class KFACPreconditionerState(eqx.Module):
@@ -41,23 +44,17 @@ class KFACPreconditionerState(eqx.Module):
 
     - `count`: the number of updates so far (`int32`).
     - `estimator_state`: the curvature estimator's state (moving averages and cached inverses).
+    - `direction_state`: the direction's state (`None` for `PreconditionedGradient`; for
+      `EigenbasisAdam`, its moments).
     """
 
     count: Int[Array, ""]
     estimator_state: EstimatorState
+    direction_state: PyTree[Array]
 
 
 def _loss_of(out: Any) -> Any:
     return out[0] if isinstance(out, tuple) else out
-
-
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"kfac_preconditioner: {name} must be a Python integer >= 1, got {value!r}. Under "
-            f"`optax.inject_hyperparams`, list it in `static_args`."
-        )
-    return value
 
 
 def _loss_args(num_loss_args: int, batch: Any, loss_args: Any) -> tuple[Any, ...]:
@@ -135,6 +132,9 @@ def kfac_preconditioner(
     register_only_generic: bool = False,
     auto_register_kwargs: Mapping[str, Any] | None = None,
     max_statistics_growth: float | ArrayLike | None = 1e3,
+    curvature: CurvatureOptions | None = None,
+    refresh: AbstractRefreshSchedule | None = None,
+    direction: AbstractDirection | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC preconditioning as an optax transformation: `g ↦ (C + (l2_reg + damping) I)⁻¹ g`.
 
@@ -172,7 +172,9 @@ def kfac_preconditioner(
     Under `optax.inject_hyperparams`, name the non-numeric arguments static:
     `optax.inject_hyperparams(eqx_kfac.kfac_preconditioner, static_args=("loss_fn",
     "curvature_update_period", "inverse_update_period", "batch_size_extractor"))`; `damping`,
-    `l2_reg` and `curvature_ema` then become injectable hyperparameters.
+    `l2_reg` and `curvature_ema` then become injectable hyperparameters. A part given there
+    (`curvature=`, `refresh=`, `direction=`) is static too (a direction is callable, which
+    `inject_hyperparams` would take for a schedule): list it in `static_args`.
 
     **Arguments:**
 
@@ -220,6 +222,17 @@ def kfac_preconditioner(
     - `max_statistics_growth`: a batch that makes the statistics (all blocks together) grow in norm
       by more than this factor is not folded in (an outlier batch); `None` folds in every finite
       batch.
+    - `curvature`, `refresh`, `direction`: the parts `Optimizer` takes (see "Building a
+      variant"), each replacing the keywords that build it: `curvature` (a `CurvatureOptions`)
+      replaces `estimation_mode`, `layer_tag_to_block_ctor`, `index_to_block_ctor`,
+      `graph_patterns`, `patterns_to_skip`, `register_only_generic`, `auto_register_kwargs`,
+      `inverse_solver`, `on_unmatched` and `batch_size_extractor`; `refresh` (an
+      `AbstractRefreshSchedule`) replaces `curvature_ema`, `curvature_update_period`,
+      `inverse_update_period` and `max_statistics_growth`, and its burn-in (`num_burnin_steps`
+      curvature updates on the first batch, statistics summed) runs in the first update as in
+      `Optimizer`; `direction` (an `AbstractDirection`, e.g. `EigenbasisAdam()`) replaces
+      `use_exact_inverses` and `norm_constraint`. Giving a part and one of its keywords raises
+      `ValueError`.
 
     **Faults.** A step whose gradient, or loss passed as `value=` (optax's convention), is not
     finite, or whose batch has a class label outside `[0, classes)` on an example a registered
@@ -244,38 +257,59 @@ def kfac_preconditioner(
     `key` for the sampled estimation modes (ignored by the exact ones); `value` is the step's
     loss, when known. Its state is a `KFACPreconditionerState`.
     """
+    keywords = {name: value for name, value in locals().items() if name in _DEFAULTS}
+    return preconditioner_transform(
+        loss_fn, example_args, damping, l2_reg, keywords, {}, "kfac_preconditioner"
+    ).as_optax()
+
+
+_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(kfac_preconditioner).parameters.items()
+    if name in PART_KEYWORDS or any(name in names for names in PART_KEYWORDS.values())
+}
+
+
+def preconditioner_transform(
+    loss_fn: Callable[..., Any],
+    example_args: Sequence[Any],
+    damping: Any,
+    l2_reg: Any,
+    keywords: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    who: str,
+) -> "_PreconditionerTransform":
+    """The transformation object of `kfac_preconditioner` and `kfac_optax`: the preconditioner of
+    the parts (given, or built from `keywords`), its estimator (traced from `loss_fn`, the loss
+    checked on `example_args`), and `init`/`update`.
+
+    **Arguments:**
+
+    - `loss_fn`, `example_args`, `damping`, `l2_reg`: as for `kfac_preconditioner`.
+    - `keywords`: the parts (`curvature`, `refresh`, `direction`, `None` where not given) and
+      the keywords that build them, by name, as given.
+    - `defaults`: the caller's defaults of those keywords, where they differ from
+      `kfac_preconditioner`'s (a keyword at its default is not given).
+    - `who`: the caller's name, for the errors.
+
+    **Returns:**
+
+    A `_PreconditionerTransform`.
+    """
     example_args = tuple(example_args)
     if len(example_args) < 2:
         raise ValueError(
-            "kfac_preconditioner: example_args must be `(model, batch)` (or `(model, *loss_args)`), "
+            f"{who}: example_args must be `(model, batch)` (or `(model, *loss_args)`), "
             f"the arguments of loss_fn; got {len(example_args)} argument(s)."
         )
     _check_scalar_loss(loss_fn, example_args)
-    preconditioner = Preconditioner(
-        CurvatureOptions(
-            estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
-            index_to_block_ctor=index_to_block_ctor, auto_register_kwargs=auto_register_kwargs,
-            inverse_solver=inverse_solver, on_unmatched=on_unmatched,
-            batch_size_extractor=batch_size_extractor,
-            graph_patterns=graph_patterns, patterns_to_skip=patterns_to_skip,
-            register_only_generic=register_only_generic,
-        ),
-        RefreshSchedule(
-            0, _check_int("curvature_update_period", curvature_update_period),
-            _check_int("inverse_update_period", inverse_update_period), curvature_ema,
-            max_statistics_growth,
-        ),
-        PreconditionedGradient(use_exact_inverses, norm_constraint),
-    )
-    estimator = preconditioner.estimator(
-        loss_fn, example_args, "eqx_kfac.kfac_preconditioner", report=True
-    )
+    preconditioner = preconditioner_from_keywords(keywords, {**_DEFAULTS, **defaults}, who)
+    estimator = preconditioner.estimator(loss_fn, example_args, f"eqx_kfac.{who}", report=True)
     preconditioner.check_loss(_loss_of, example_args, estimator)
-    transform = _PreconditionerTransform(
+    return _PreconditionerTransform(
         preconditioner, estimator, eqx.filter(example_args[0], eqx.is_inexact_array, inverse=True),
         len(example_args) - 1, damping, l2_reg,
     )
-    return optax.GradientTransformationExtraArgs(transform.init, transform.update)
 
 
 class _PreconditionerTransform(eqx.Module):
@@ -288,31 +322,41 @@ class _PreconditionerTransform(eqx.Module):
     damping: Any
     l2_reg: Any
 
+    def as_optax(self) -> optax.GradientTransformationExtraArgs:
+        """`init` and `update` as an optax transformation."""
+        return optax.GradientTransformationExtraArgs(self.init, self.update)
+
+    def _new_state(self, params: PyTree) -> KFACPreconditionerState:
+        return KFACPreconditionerState(
+            jnp.zeros((), jnp.int32), self.preconditioner.init(self.estimator),
+            self.preconditioner.direction.init(self.estimator, eqx.filter(params, eqx.is_inexact_array)),
+        )
+
     def init(self, params: PyTree) -> KFACPreconditionerState:
-        del params
         # One compiled program builds the state: run eagerly, every array of a new shape would
         # compile a program of its own (see `initial_state`).
-        return eqx.filter_jit(
-            lambda: KFACPreconditionerState(
-                jnp.zeros((), jnp.int32), self.preconditioner.init(self.estimator)
-            )
-        )()
+        return eqx.filter_jit(self._new_state)(params)
 
-    def _check_configuration(self, state: KFACPreconditionerState) -> None:
+    def _check_configuration(self, state: KFACPreconditionerState, params: PyTree) -> None:
         """Raises `ValueError` when `state` was made by a `kfac_preconditioner` of another
-        configuration (its blocks or their caches differ; checked once, when `update` is traced)."""
-        expected = eqx.filter_eval_shape(self.preconditioner.init, self.estimator)
-        difference = tree_difference(state.estimator_state, expected, "estimator_state", dtypes=False)
-        if difference is not None:
-            path, here, there = difference
-            raise ValueError(
-                "kfac_preconditioner: the state passed to update was made by a K-FAC "
-                "transformation of another configuration (their curvature blocks or caches differ: "
-                "use_exact_inverses, inverse_solver, layer_tag_to_block_ctor / "
-                f"index_to_block_ctor, inverse_update_period): `{path}` is {here} in it, {there} "
-                "in this transformation's state. Start from this optimizer's `init(params)`, or "
-                "load a saved state with `eqx_kfac.load_state(path, optimizer.init(params))`."
+        configuration (its blocks, their caches or the direction's state differ; checked once,
+        when `update` is traced)."""
+        expected = eqx.filter_eval_shape(self._new_state, params)
+        for name in ("estimator_state", "direction_state"):
+            difference = tree_difference(
+                getattr(state, name), getattr(expected, name), name, dtypes=False
             )
+            if difference is not None:
+                path, here, there = difference
+                raise ValueError(
+                    "kfac_preconditioner: the state passed to update was made by a K-FAC "
+                    "transformation of another configuration (their curvature blocks, caches or "
+                    "directions differ: use_exact_inverses, inverse_solver, layer_tag_to_block_ctor / "
+                    f"index_to_block_ctor, inverse_update_period, direction=): `{path}` is {here} in "
+                    f"it, {there} in this transformation's state. Start from this optimizer's "
+                    "`init(params)`, or load a saved state with "
+                    "`eqx_kfac.load_state(path, optimizer.init(params))`."
+                )
 
     def _key(self, key: PRNGKeyArray | None) -> PRNGKeyArray:
         mode = self.preconditioner.curvature.estimation_mode
@@ -345,8 +389,8 @@ class _PreconditionerTransform(eqx.Module):
         # Other transformations of a chain may take extra arguments of their own.
         del extra_args
         check_restored(state, KFACPreconditionerState, "kfac_preconditioner")
-        self._check_configuration(state)
         func_args = _func_args(self.static_model, self.num_loss_args, params, batch, loss_args)
+        self._check_configuration(state, params)
         key = self._key(key)
         preconditioner, estimator = self.preconditioner, self.estimator
         grads = eqx.filter(updates, eqx.is_inexact_array)
@@ -357,14 +401,24 @@ class _PreconditionerTransform(eqx.Module):
         identity_weight = self.l2_reg + jnp.asarray(damping)
         estimator_state = preconditioner.update_curvature(
             estimator, state.estimator_state, state.count, finite, key, func_args,
-            preconditioner.batch_size(estimator, func_args),
+            preconditioner.batch_size(estimator, func_args), burnin_in_graph=True,
         )
         estimator_state = preconditioner.refresh_inverses(
             estimator, estimator_state, state.count, finite, identity_weight
         )
-        direction = preconditioner.precondition(estimator, estimator_state, grads, identity_weight, 1.0)
+        direction = preconditioner.precondition(
+            estimator, estimator_state, grads, state.direction_state, identity_weight, 1.0
+        )
         preconditioned = jax.tree.map(lambda p, g: p.astype(g.dtype), direction.direction, grads)
-        return preconditioned, KFACPreconditionerState(optax.safe_increment(state.count), estimator_state)
+        # A gradient that is not finite (or an invalid label) leaves the direction's state as it
+        # was, as it leaves the statistics.
+        direction_state = select_changed(finite, direction.state, state.direction_state)
+        return preconditioned, KFACPreconditionerState(
+            optax.safe_increment(state.count), estimator_state, direction_state
+        )
+
+
+_OPTAX_NORM_CONSTRAINT = 0.1
 
 
 def kfac_optax(
@@ -373,7 +427,7 @@ def kfac_optax(
     learning_rate: float | optax.Schedule = 0.1,
     *,
     damping: float | ArrayLike | optax.Schedule = 0.1,
-    norm_constraint: float | ArrayLike | None = 0.1,
+    norm_constraint: float | ArrayLike | None = _OPTAX_NORM_CONSTRAINT,
     momentum: float | None = 0.9,
     use_step_rejection: bool = False,
     max_consecutive_faults: int | None = 20,
@@ -445,7 +499,11 @@ def kfac_optax(
     - `max_consecutive_faults`, `max_consecutive_stalls`, `stop_in_program`: see above and
       `skip_non_finite`.
     - `**preconditioner_kwargs`: the other keywords of `kfac_preconditioner` (e.g.
-      `inverse_update_period`, `estimation_mode`, `l2_reg`).
+      `inverse_update_period`, `estimation_mode`, `l2_reg`), and its parts `curvature=`,
+      `refresh=` and `direction=` (which replaces `norm_constraint`: its default here is then
+      not used; given a value of its own with `direction=`, it raises `ValueError`). A direction
+      with a state (e.g. `EigenbasisAdam`) keeps it, like the momentum, on a step that is
+      skipped or rejected.
 
     **Returns:**
 
@@ -453,12 +511,17 @@ def kfac_optax(
     `kfac_preconditioner`'s (and `value=`); its state is a `SkipNonFiniteState`.
     """
     example_args = tuple(example_args)
-    precondition = kfac_preconditioner(
-        loss_fn, example_args, damping=damping, norm_constraint=norm_constraint,
-        **preconditioner_kwargs,
+    unknown = sorted(set(preconditioner_kwargs) - set(inspect.signature(kfac_preconditioner).parameters))
+    if unknown:
+        raise TypeError(f"kfac_optax got unexpected keyword arguments {unknown}.")
+    keywords = {**_DEFAULTS, **preconditioner_kwargs, "norm_constraint": norm_constraint}
+    transform = preconditioner_transform(
+        loss_fn, example_args, damping, preconditioner_kwargs.get("l2_reg", 0.0),
+        {name: keywords[name] for name in _DEFAULTS}, {"norm_constraint": _OPTAX_NORM_CONSTRAINT},
+        "kfac_optax",
     )
     chain = optax.chain(
-        precondition,
+        transform.as_optax(),
         *([] if momentum is None else [optax.trace(momentum)]),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -472,11 +535,14 @@ def kfac_optax(
         reject_loss_increase=use_step_rejection, max_consecutive_faults=max_consecutive_faults,
         max_consecutive_stalls=max_consecutive_stalls, stop_in_program=stop_in_program,
     )
+    def kept_unless_applied(inner: tuple[Any, ...]) -> tuple[Any, ...]:
+        # The direction's state (where it has one) and the momentum.
+        direction_state = () if inner[0].direction_state is None else (inner[0].direction_state,)
+        return direction_state + (() if momentum is None else (inner[1],))
+
     guarded = GuardedTransform(
-        optax.with_extra_args_support(chain), guard, loss,
-        None if momentum is None else (lambda inner: inner[1]), advance_on_fault=True,
-        # The `_PreconditionerTransform` whose bound methods `kfac_preconditioner` returned.
-        targets_in_range=precondition.init.__self__.targets_in_range,
+        optax.with_extra_args_support(chain), guard, loss, kept_unless_applied,
+        advance_on_fault=True, targets_in_range=transform.targets_in_range,
     )
     # One compiled program builds the whole chain's state (see `_PreconditionerTransform.init`),
     # and, called eagerly, one takes the whole update (`GuardedTransform.update`).

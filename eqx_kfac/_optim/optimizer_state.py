@@ -62,6 +62,8 @@ class OptimizerState(eqx.Module):
 
     **Fields:**
 
+    - `direction_state`: the direction's state (`None` for `PreconditionedGradient`; for
+      `EigenbasisAdam`, its moments).
     - `step_rule_state`: the step rule's state (for `MomentumStep`, a `MomentumState` with the
       previous update).
     - `damping_state`: the damping rule's state (for the built-in rules, a `DampingState`).
@@ -73,6 +75,7 @@ class OptimizerState(eqx.Module):
       batch and parameters given to `init`; `step` rejects others.
     """
 
+    direction_state: PyTree[Array]
     step_rule_state: PyTree[Array]
     damping_state: PyTree[Array]
     guard_state: GuardState
@@ -118,6 +121,7 @@ def new_state(
     """
     dtype = jnp.result_type(*jax.tree.leaves(filtered), jnp.float32)
     return OptimizerState(
+        direction_state=optimizer.direction.init(estimator, filtered),
         step_rule_state=optimizer.step_rule.init(filtered),
         damping_state=optimizer.damping_rule.init(dtype),
         guard_state=optimizer.guard.init(),
@@ -132,7 +136,8 @@ def new_state(
 # What differs when a state does not fit an optimizer, for its messages.
 OTHER_CONFIGURATION = (
     "an optimizer of another configuration (e.g. use_exact_inverses, the blocks chosen by "
-    "layer_tag_to_block_ctor / index_to_block_ctor, the momentum, damping or step rule options) "
+    "layer_tag_to_block_ctor / index_to_block_ctor, the direction, the momentum, damping or step "
+    "rule options) "
     "or for other parameters or batch"
 )
 

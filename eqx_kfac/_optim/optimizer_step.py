@@ -6,8 +6,9 @@ is not finite, reject one that raises the loss); damping adaptation. What each o
 
 - loss or gradient not finite, or a class label of the batch outside `[0, classes)` on an
   example its categorical loss does not mask out: nothing changes but the guard's count of faults;
-- update not finite, or rejected: parameters and step-rule state (velocity) are kept; the
-  curvature statistics take the batch, the damping reacts, the counters advance;
+- update not finite, or rejected: parameters, the direction's state and the step rule's state
+  (velocity) are kept; the curvature statistics take the batch, the damping reacts, the counters
+  advance;
 - applied: everything moves on.
 """
 
@@ -124,13 +125,14 @@ def _apply(params: PyTree, delta: PyTree) -> PyTree:
 
 
 def _next_state(
-    state: OptimizerState, step_rule_state: Any, damping_state: Any, estimator_state: Any,
-    batch_size: Any, finite: Any, decision: Any, guard_state: Any,
+    state: OptimizerState, direction_state: Any, step_rule_state: Any, damping_state: Any,
+    estimator_state: Any, batch_size: Any, finite: Any, decision: Any, guard_state: Any,
 ) -> OptimizerState:
-    """The state after a step: moved on where the step was finite (the step rule's state only
-    where its update was applied), else kept but for the (already gated) estimator state; the
-    guard's state in any case."""
+    """The state after a step: moved on where the step was finite (the direction's and the step
+    rule's states only where its update was applied), else kept but for the (already gated)
+    estimator state; the guard's state in any case."""
     moved = OptimizerState(
+        direction_state=select_changed(decision.applied, direction_state, state.direction_state),
         step_rule_state=select_changed(decision.applied, step_rule_state, state.step_rule_state),
         damping_state=damping_state, guard_state=state.guard_state,
         estimator_state=estimator_state, examples_seen=state.examples_seen.add(batch_size),
@@ -178,7 +180,7 @@ def step_body(
     )
     context = eqx.tree_at(lambda c: c.estimator_state, context, estimator_state)
     direction = optimizer.preconditioner.precondition(
-        context.estimator, estimator_state, context.grads, identity_weight,
+        context.estimator, estimator_state, context.grads, state.direction_state, identity_weight,
         optimizer.step_rule.fixed_learning_rate(context), optimizer.axis_name,
     )
     with jax.named_scope("eqx_kfac.step_rule"):
@@ -199,7 +201,7 @@ def step_body(
         context.implicit.batch_size(context.func_args), optimizer.axis_name
     )
     new_state = _next_state(
-        state, proposal.state, damping_state, estimator_state, batch_size, finite, decision,
+        state, direction.state, proposal.state, damping_state, estimator_state, batch_size, finite, decision,
         guard.update(state.guard_state, decision),
     )
     new_params = select_changed(decision.applied, candidate, params)

@@ -339,13 +339,28 @@ class Preconditioner(eqx.Module):
         estimator: BlockDiagonalCurvature,
         state: EstimatorState,
         grads: PyTree[Array],
+        direction_state: PyTree[Array],
         identity_weight: ArrayLike,
         learning_rate: ArrayLike | None,
         axis_name: Hashable | None = None,
     ) -> DirectionOutcome:
-        """The direction for `grads` (`self.direction` with the schedule's cache)."""
+        """The direction for `grads` (`self.direction` with the schedule's cache).
+
+        **Arguments:**
+
+        - `estimator`, `state`: the estimator and its (refreshed) state.
+        - `grads`: the gradient.
+        - `direction_state`: the direction's state (from `self.direction.init` at first).
+        - `identity_weight`: `l2_reg + damping`.
+        - `learning_rate`: the step's learning rate when it is fixed, `None` when adapted.
+        - `axis_name`: the data axis inside a multi-device step.
+
+        **Returns:**
+
+        The `DirectionOutcome`, with the direction's next state.
+        """
         with jax.named_scope("eqx_kfac.direction"):
             return self.direction(
-                estimator, state, grads, identity_weight, learning_rate, self.refresh.use_cached,
-                axis_name,
+                estimator, state, grads, direction_state, identity_weight, learning_rate,
+                self.refresh.use_cached, axis_name,
             )
