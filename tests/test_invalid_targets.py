@@ -38,11 +38,15 @@ def loss(model, batch):
 VALUE_AND_GRAD = eqx.filter_jit(eqx.filter_value_and_grad(loss))
 # inverse_update_period=2: the third step (counter 2) refreshes the cached inverses.
 OPT = eqx_kfac.Optimizer(
-    eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0, inverse_update_period=2,
-    learning_rate_schedule=lambda s: 0.1, momentum_schedule=lambda s: 0.9,
-    damping_schedule=lambda s: 0.1,
+    eqx.filter_value_and_grad(loss),
+    refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0, inverse_update_period=2),
+    step_rule=eqx_kfac.MomentumStep(
+        eqx_kfac.ScheduledHyperparameter(lambda s: 0.1), eqx_kfac.ScheduledHyperparameter(lambda s: 0.9)
+    ),
+    damping_rule=eqx_kfac.ScheduledDamping(lambda s: 0.1),
 )
-KFAC_OPTAX = eqx_kfac.kfac_optax(loss, (MODEL, GOOD), inverse_update_period=2)
+# stop_in_program: inside a user's jit, the twentieth fault in a row stops the run from the program.
+KFAC_OPTAX = eqx_kfac.kfac_optax(loss, (MODEL, GOOD), inverse_update_period=2, stop_in_program=True)
 
 
 def _same(a, b):
@@ -134,7 +138,8 @@ def test_a_masked_invalid_label_is_not_skipped_an_unmasked_one_is(path):
     ("path", "call"), [("Optimizer", "direct"), ("kfac_optax", "direct"), ("kfac_optax", "in_jit")]
 )
 def test_twenty_invalid_batches_in_a_row_stop_the_run_naming_invalid_labels(path, call):
-    # Directly: a RuntimeError after the step; inside a user's jit, the guard's host callback.
+    # Directly: a RuntimeError after the step; inside a user's jit, the guard's host callback
+    # (`stop_in_program=True`).
     error = RuntimeError if call == "direct" else Exception
     if path == "Optimizer":
         params, state = MODEL, OPT.init(MODEL, jax.random.key(0), GOOD)
