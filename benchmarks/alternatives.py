@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+import eqx_kfac
 from benchmarks import model_zoo
 from benchmarks.harness import (
     KFAC_METHODS,
@@ -80,8 +81,8 @@ class Setting:
 
     - `make`: `seed -> Problem` (the initial parameters depend on the seed).
     - `steps`, `quick_steps`: the step budget of every method, in full and `--quick` runs.
-    - `kfac_options`: keywords for both K-FAC forms (`Optimizer` and `kfac_optax`; those in
-      `_OPTIMIZER_ONLY` for `Optimizer` only).
+    - `kfac_options`: keywords for both K-FAC forms (`kfac_optax`'s; `Optimizer` takes them as
+      parts, `optimizer_options`; those in `_OPTIMIZER_ONLY` for `Optimizer` only).
     """
 
     make: Callable[[int], Problem]
@@ -104,7 +105,7 @@ def _zoo(name: str) -> Callable[[int], Problem]:
 # an L2 term do not need the zoo's floor of 1e-4, which slowed the classifier from 324 to 772
 # steps to its target).
 _DIGITS_KFAC = dict(l2_reg=tanh_mlp.L2_REG, estimation_mode="ggn_curvature_prop", min_damping=1e-8)
-# Keywords of `Optimizer` that `kfac_optax` does not take.
+# Keywords for `Optimizer` alone (`kfac_optax` does not take them).
 _OPTIMIZER_ONLY = ("min_damping",)
 SETTINGS = {
     "classifier": Setting(_digits("classifier"), 1000, 300, _DIGITS_KFAC),
@@ -119,10 +120,27 @@ def make_method(name: str, learning_rate: float | None, kfac_options: dict) -> M
     """The `Method` of one run: `kfac_options` go to K-FAC's two forms (`Optimizer`-only ones to
     `"kfac"` alone)."""
     if name == "kfac":
-        return Method(name, None, kfac_options)
+        return Method(name, None, optimizer_options(kfac_options))
     if name == "recipe":
         return Method(name, learning_rate, {k: v for k, v in kfac_options.items() if k not in _OPTIMIZER_ONLY})
     return Method(name, learning_rate)
+
+
+def optimizer_options(kfac_options: dict) -> dict:
+    """`Optimizer`'s keywords for the K-FAC options of a setting: `l2_reg` as it is,
+    `estimation_mode` in the `CurvatureOptions`, `min_damping` as the floor of the recommended
+    damping rule (the other parts at their defaults)."""
+    unknown = set(kfac_options) - {"l2_reg", "estimation_mode", "min_damping"}
+    if unknown:
+        raise ValueError(f"optimizer_options: no translation for {sorted(unknown)}; add one.")
+    options = {k: v for k, v in kfac_options.items() if k == "l2_reg"}
+    if "estimation_mode" in kfac_options:
+        options["curvature"] = eqx_kfac.CurvatureOptions(estimation_mode=kfac_options["estimation_mode"])
+    if "min_damping" in kfac_options:
+        options["damping_rule"] = eqx_kfac.LevenbergMarquardtDamping(
+            1e-2, minimum=kfac_options["min_damping"], fault_increase=2.0
+        )
+    return options
 
 
 def _neighbour(learning_rate: float, up: bool) -> float:

@@ -35,7 +35,7 @@ import jax
 
 import eqx_kfac
 from benchmarks import model_zoo as zoo, step_time
-from benchmarks.harness import Problem, full_batch, make_optimizer, step_parts
+from benchmarks.harness import RECOMMENDED_KFAC_JAX_KEYWORDS, Problem, full_batch, make_optimizer, step_parts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,32 +60,36 @@ def compile_seconds(fn: Callable[..., Any], *args: Any) -> tuple[float, float]:
     return lower, compile_
 
 
-def _autoencoder_problem() -> tuple[Problem, dict[str, Any]]:
-    """The autoencoder of `step_time.py` (and of kfac-jax's twin), with the same settings."""
+def _autoencoder_problem() -> tuple[Problem, Any]:
+    """The autoencoder of `step_time.py` (and of kfac-jax's twin), with the same settings: the
+    recommended configuration with kfac-jax's `value_func_for_estimator`, so
+    `eqx_kfac.kfac_jax.Optimizer`."""
     model, x = step_time.make_problem(step_time.AUTOENCODER, 512)
-    optimizer, _ = step_time.make_kfac(adaptive=True)
-    options = dict(
-        l2_reg=optimizer.l2_reg, estimation_mode="ggn_curvature_prop", num_burnin_steps=0,
-        value_func_for_estimator=step_time.data_loss,
+    keywords = dict(RECOMMENDED_KFAC_JAX_KEYWORDS, estimation_mode="ggn_curvature_prop", num_burnin_steps=0)
+    optimizer = eqx_kfac.kfac_jax.Optimizer(
+        eqx.filter_value_and_grad(step_time.loss), step_time.L2_REG,
+        value_func_for_estimator=step_time.data_loss, **keywords,
     )
-    return full_batch("autoencoder", model, step_time.loss, x), options
+    return full_batch("autoencoder", model, step_time.loss, x), optimizer
 
 
-def _problem(name: str) -> tuple[Problem, dict[str, Any]]:
+def _problem(name: str) -> tuple[Problem, Any]:
+    """The problem and its optimizer (the recommended configuration)."""
     key = jax.random.key(0)
     if name == "autoencoder":
         return _autoencoder_problem()
     if name.startswith("scan_mlp_"):
         depth = int(name.rsplit("_", 1)[1])
-        return zoo.scan_mlp.problem(key, depth=depth), {}
-    return zoo.PROBLEMS[name](key), {}
+        problem = zoo.scan_mlp.problem(key, depth=depth)
+    else:
+        problem = zoo.PROBLEMS[name](key)
+    return problem, make_optimizer(problem)
 
 
 def breakdown(name: str) -> dict[str, tuple[float, float]]:
     """Seconds `(trace and lower, compile)` of the step and of its parts, for one model."""
-    problem, options = _problem(name)
+    problem, optimizer = _problem(name)
     batch = problem.next_batch(problem.model, 0, jax.random.key(1), None)
-    optimizer = make_optimizer(problem, **options)
     state = optimizer.init(problem.model, jax.random.key(0), batch, func_state=problem.func_state)
     step_args = (problem.model, state, jax.random.key(2), batch, problem.func_state)
     times = {"step": compile_seconds(

@@ -127,8 +127,10 @@ def resnet_tables(rounds: int, steps: int = 5) -> None:
     model, func_state = problem.model, problem.func_state
     batch = problem.next_batch(model, 0, None, None)
     value_and_grad = eqx.filter_value_and_grad(resnet.loss, has_aux=True)
+    # The learning rate, momentum and damping passed to every step.
     optimizer = eqx_kfac.Optimizer(
-        value_and_grad, l2_reg=0.0, value_func_has_state=True, inverse_update_period=steps
+        value_and_grad, value_func_has_state=True, step_rule=eqx_kfac.MomentumStep(),
+        damping_rule=eqx_kfac.GivenDamping(), refresh=eqx_kfac.RefreshSchedule(inverse_update_period=steps),
     )
     hyper = dict(learning_rate=1e-3, momentum=0.9, damping=1e-2)
     params = eqx.filter(model, eqx.is_inexact_array)

@@ -30,7 +30,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 # The mesh helper is internal: the public API takes any 1-D `jax.sharding.Mesh`.
-from eqx_kfac import Optimizer  # noqa: E402
+from eqx_kfac import (  # noqa: E402
+    GivenDamping, MomentumStep, MultiDevice, Optimizer, PreconditionedGradient, RefreshSchedule,
+)
 from eqx_kfac._core.distributed import data_mesh  # noqa: E402
 from benchmarks.model_zoo.losses import cross_entropy  # noqa: E402
 from benchmarks.model_zoo.tanh_mlp import TanhMLP  # noqa: E402
@@ -52,10 +54,11 @@ def time_steps(num_devices, distributed, sizes, batch_size, rounds):
     y = jax.random.randint(jax.random.key(2), (batch_size,), 0, sizes[-1])
     batch = (x, y)
     opt = Optimizer(
-        eqx.filter_value_and_grad(loss_fn), l2_reg=0.0, num_burnin_steps=0,
-        inverse_update_period=2, multi_device=True,
-        mesh=data_mesh("kfac_axis", jax.devices()[:num_devices]),
-        distributed_inverses=distributed, distributed_precon_apply=distributed,
+        eqx.filter_value_and_grad(loss_fn),
+        step_rule=MomentumStep(), damping_rule=GivenDamping(),  # given to every step
+        refresh=RefreshSchedule(num_burnin_steps=0, inverse_update_period=2),
+        direction=PreconditionedGradient(distributed=distributed),
+        devices=MultiDevice(data_mesh("kfac_axis", jax.devices()[:num_devices]), distributed_inverses=distributed),
     )
     state = opt.init(model, jax.random.key(3), batch)
     hyper = dict(learning_rate=1e-2, momentum=0.9, damping=1e-1)

@@ -371,17 +371,21 @@ def _kfac_star(problem: Problem):
     params, static = _split(problem)
     refresh_period = 1 if problem.resample else 5
     optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(problem.loss), l2_reg=0.0,
-        use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
-        initial_damping=1e-3, min_damping=1e-12, num_burnin_steps=0,
+        eqx.filter_value_and_grad(problem.loss),
+        # The recommended damping rule, from 1e-3 and with a floor of 1e-12.
+        damping_rule=eqx_kfac.LevenbergMarquardtDamping(1e-3, minimum=1e-12, fault_increase=2.0),
         # On fixed points the curvature is exact and deterministic, and a moving average of it
         # only lags behind the parameters; fresh points at every step make it noisy. On fixed
         # points it also changes only as the parameters do: refreshing it (a second backward
         # pass through the Taylor network) every fifth step buys more steps than it costs.
-        curvature_ema=0.95 if problem.resample else 0.0,
-        curvature_update_period=refresh_period, inverse_update_period=refresh_period,
-        estimation_mode="ggn_exact",
-        layer_tag_to_block_ctor={"taylor_dense": eqx_kfac.TaylorDenseKroneckerSum},
+        refresh=eqx_kfac.RefreshSchedule(
+            num_burnin_steps=0, curvature_update_period=refresh_period,
+            inverse_update_period=refresh_period, curvature_ema=0.95 if problem.resample else 0.0,
+        ),
+        curvature=eqx_kfac.CurvatureOptions(
+            estimation_mode="ggn_exact",
+            layer_tag_to_block_ctor={"taylor_dense": eqx_kfac.TaylorDenseKroneckerSum},
+        ),
     )
     state = optimizer.init(problem.model, jax.random.key(0), problem.batch)
 

@@ -55,10 +55,7 @@ def measure(depth: int, size: int, heads: int, batch_size: int) -> dict[str, flo
         lambda: eqx_kfac.BlockDiagonalCurvature(transformer.loss, abstract, on_unmatched="ignore")
     )
     jax.clear_caches()
-    optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(transformer.loss), l2_reg=0.0, use_adaptive_learning_rate=True,
-        use_adaptive_momentum=True, use_adaptive_damping=True,
-    )
+    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(transformer.loss))
     times["init"] = _timed(lambda: optimizer.init(model, jax.random.key(1), batch))
     times["parameters"] = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
     return times

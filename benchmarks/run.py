@@ -183,13 +183,14 @@ def kfac_method(args: argparse.Namespace) -> Method:
     """K-FAC with the main job's settings (kfac-jax's usual ones) and the command line's choices."""
     return Method("kfac", options=dict(
         l2_reg=tanh_mlp.L2_REG,
-        initial_damping=1.0,
-        estimation_mode=args.kfac_estimation_mode,
-        curvature_ema=0.95,
-        inverse_update_period=5,
-        damping_adaptation_interval=5,
-        num_burnin_steps=args.kfac_burnin,
-        layer_tag_to_block_ctor={"dense": DENSE_BLOCKS[args.kfac_dense_block]},
+        curvature=eqx_kfac.CurvatureOptions(
+            estimation_mode=args.kfac_estimation_mode,
+            layer_tag_to_block_ctor={"dense": DENSE_BLOCKS[args.kfac_dense_block]},
+        ),
+        # The recommended damping rule (interval 5), started at 1.0; statistics' moving average
+        # 0.95 and inverses every 5 steps (the defaults).
+        damping_rule=eqx_kfac.LevenbergMarquardtDamping(1.0, minimum=1e-6, fault_increase=2.0),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=args.kfac_burnin),
     ))
 
 

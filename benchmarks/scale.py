@@ -2,11 +2,11 @@
 host devices and projected to a 1B-parameter transformer, with the communication of a step.
 
 **Simulation.** A decoder-only transformer (scan-stacked blocks, causal attention, a 4x MLP,
-bias-free layers as in LLaMA-style models) is trained by `Optimizer(multi_device=True,
-shard_state=True)` on 1, 2, 4 and 8 host CPU devices (meshes 1x1, 2x1, 2x2, 2x4 of a data and a
+bias-free layers as in LLaMA-style models) is trained by `Optimizer(devices=MultiDevice(mesh,
+shard_state=True))` on 1, 2, 4 and 8 host CPU devices (meshes 1x1, 2x1, 2x2, 2x4 of a data and a
 model axis), parameters placed by `eqx_kfac.sharding_by_size`. For each, XLA's compiled memory
 analysis of the step gives the bytes per device of its arguments (parameters, optimizer state and
-a batch shard), outputs and temporaries, against the replicated layout (`multi_device=True`
+a batch shard), outputs and temporaries, against the replicated layout (`MultiDevice(mesh)`
 without `shard_state`: parameters and state whole on every device), and the compiled program's
 collectives are summed (bytes per device of every all-gather, reduce-scatter, all-reduce,
 all-to-all and collective-permute, each counted once: a step that refreshes the inverses runs
@@ -141,11 +141,14 @@ def _problem(config):
     return model, (tokens[:, :-1], tokens[:, 1:])
 
 
-def _optimizer(**kwargs):
+def _optimizer(devices=None):
+    """The recommended configuration with a burn-in of 1, inverses every 2 steps and no stop
+    after faults in a row, on `devices` (a `MultiDevice`, or `None` for one device)."""
     return eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(loss_fn), l2_reg=1e-5, use_adaptive_learning_rate=True,
-        use_adaptive_momentum=True, use_adaptive_damping=True, num_burnin_steps=1,
-        inverse_update_period=2, max_consecutive_faults=None, **kwargs,
+        eqx.filter_value_and_grad(loss_fn), l2_reg=1e-5,
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=1, inverse_update_period=2),
+        guard=eqx_kfac.StepGuard(reject_loss_increase=True, max_consecutive_faults=None),
+        devices=devices,
     )
 
 
@@ -195,7 +198,7 @@ def measure(config, devices, layout):
     shape = MESHES[devices]
     mesh = Mesh(np.array(jax.devices()[:devices]).reshape(shape), ("data", "model"))
     sharded = layout == "sharded"
-    optimizer = _optimizer(multi_device=True, mesh=mesh, pmap_axis_name="data", shard_state=sharded)
+    optimizer = _optimizer(eqx_kfac.MultiDevice(mesh, axis_name="data", shard_state=sharded))
     if sharded:
         model = eqx.filter_shard(model, eqx_kfac.sharding_by_size(model, mesh))
     compiled, _ = _compiled(optimizer, model, batch)
@@ -218,7 +221,7 @@ def agreement(config, devices, steps=2):
     runs = {}
     for name, optimizer, start in (
         ("single", _optimizer(), model),
-        ("sharded", _optimizer(multi_device=True, mesh=mesh, pmap_axis_name="data", shard_state=True),
+        ("sharded", _optimizer(eqx_kfac.MultiDevice(mesh, axis_name="data", shard_state=True)),
          eqx.filter_shard(model, eqx_kfac.sharding_by_size(model, mesh))),
     ):
         compiled, state = _compiled(optimizer, start, batch)

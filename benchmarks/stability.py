@@ -2,8 +2,8 @@
 
 For each model (the digits MLP `eqx.nn.MLP(64, 10, 64, 2)` and the zoo's two-convolution CNN),
 each seed (the initial parameters and the order of the minibatches of 64) and each form
-(`eqx_kfac.Optimizer` with adaptive learning rate, momentum and damping and every other keyword
-at its default, and `eqx_kfac.kfac_optax` with its defaults), it trains for `--steps` steps, then
+(`eqx_kfac.Optimizer` with every part at its default: adaptive learning rate, momentum and
+damping, and `eqx_kfac.kfac_optax` with its defaults), it trains for `--steps` steps, then
 again with one batch scaled by 1e10 and one by 1e30 injected (`--no-faults` skips those runs).
 Adam (best of learning rates 1e-3, 3e-3, 1e-2 by median final loss over the seeds) is the
 baseline, with and without the injected batches.

@@ -12,10 +12,12 @@ the Equinox twin of `tests/reference/kfac_jax_step_time.py` (kfac-jax 0.0.8 + Ha
     python benchmarks/step_time.py --hugepage-malloc   # glibc's malloc on huge pages (see below)
     python benchmarks/step_time.py --sync-dispatch     # JAX's asynchronous dispatch off (see below)
 
-Settings (both with `inverse_update_period=5`, `curvature_ema=0.95`, `l2_reg=1e-5`, no burn-in):
+Settings (`eqx_kfac.kfac_jax.Optimizer`, kfac-jax's keywords as the twin passes them, on the
+recommended configuration's safeguards; both with `inverse_update_period=5`, `curvature_ema=0.95`,
+`l2_reg=1e-5`, no burn-in):
 - `kfac_adaptive`: adaptive learning rate, momentum and damping (initial 1.0, interval 5),
-  `estimation_mode="ggn_curvature_prop"`, no step rejection (kfac-jax's default; `Optimizer`
-  turns it on with adaptive damping, which costs one forward pass per step);
+  `estimation_mode="ggn_curvature_prop"`, no step rejection (kfac-jax's default; the recommended
+  `eqx_kfac.Optimizer` rejects, which costs one forward pass per step);
 - `kfac_fixed`: learning rate 1e-3, momentum 0.9, damping 1e-2.
 
 Methods run alternately (A B C A B C ...), `--steps-per-round` steps each (default 5: one inverse
@@ -56,7 +58,7 @@ import jax.numpy as jnp
 import optax
 
 import eqx_kfac
-from benchmarks.harness import step_parts
+from benchmarks.harness import RECOMMENDED_KFAC_JAX_KEYWORDS, step_parts
 from benchmarks.model_zoo.tanh_mlp import (
     L2_REG,
     TanhMLP,
@@ -90,10 +92,11 @@ def make_problem(sizes, batch_size):
 
 
 def make_kfac(adaptive):
-    common = dict(
-        value_and_grad_func=eqx.filter_value_and_grad(loss),
-        l2_reg=L2_REG,
-        value_func_for_estimator=data_loss,
+    """`(optimizer, hyper)`: `eqx_kfac.kfac_jax.Optimizer` (kfac-jax's keywords, as the twin script
+    passes them: `value_func_for_estimator` is one of kfac-jax's) on the recommended configuration's
+    safeguards, and the hyperparameters `step` takes (fixed setting only)."""
+    keywords = dict(RECOMMENDED_KFAC_JAX_KEYWORDS)
+    keywords.update(
         estimation_mode="ggn_curvature_prop",
         inverse_update_period=5,
         curvature_ema=0.95,
@@ -101,20 +104,27 @@ def make_kfac(adaptive):
         # The training loop replaces both with the step's outputs (kfac-jax donates them too).
         donate_parameters=True,
         donate_optimizer_state=True,
+        # kfac-jax's default: no step rejection (the recommended configuration rejects, one more
+        # forward pass per step), so that both libraries take the same step.
+        use_step_rejection=False,
+        initial_damping=1.0,
+        damping_adaptation_interval=5,
+    )
+    if not adaptive:
+        for name in ("use_adaptive_learning_rate", "use_adaptive_momentum", "use_adaptive_damping"):
+            keywords[name] = False
+        keywords["initial_damping"] = None
+    optimizer = eqx_kfac.kfac_jax.Optimizer(
+        eqx.filter_value_and_grad(loss), L2_REG, value_func_for_estimator=data_loss, **keywords
     )
     if adaptive:
-        # kfac-jax's default: no step rejection (ours turns it on with adaptive damping, one more
-        # forward pass per step), so that both libraries take the same step.
-        return eqx_kfac.Optimizer(
-            use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
-            initial_damping=1.0, damping_adaptation_interval=5, use_step_rejection=False, **common,
-        ), {}
+        return optimizer, {}
     hyper = dict(
         learning_rate=jnp.asarray(1e-3, jnp.float32),
         momentum=jnp.asarray(0.9, jnp.float32),
         damping=jnp.asarray(1e-2, jnp.float32),
     )
-    return eqx_kfac.Optimizer(**common), hyper
+    return optimizer, hyper
 
 
 def make_runner(method, model, x):

@@ -258,18 +258,15 @@ def make_kfac(energy, method: Method) -> eqx_kfac.Optimizer:
     norm constraint (FermiNet's: 0.05 and 1e-3)."""
     return eqx_kfac.Optimizer(
         jax.value_and_grad(energy, has_aux=True),
-        l2_reg=0.0,
         value_func_has_aux=True,
-        learning_rate_schedule=schedule(method.learning_rate),
-        momentum_schedule=lambda t: 0.0,
-        damping_schedule=lambda t: 1e-3,
-        norm_constraint=method.norm_constraint,
-        curvature_ema=0.95,
-        inverse_update_period=1,
-        estimation_mode="fisher_exact",
-        num_burnin_steps=0,
-        min_damping=1e-4,
-        on_unmatched="error",
+        step_rule=eqx_kfac.MomentumStep(
+            eqx_kfac.ScheduledHyperparameter(schedule(method.learning_rate)),
+            eqx_kfac.ScheduledHyperparameter(lambda t: 0.0),
+        ),
+        damping_rule=eqx_kfac.ScheduledDamping(lambda t: 1e-3),
+        direction=eqx_kfac.PreconditionedGradient(norm_constraint=method.norm_constraint),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0, inverse_update_period=1, curvature_ema=0.95),
+        curvature=eqx_kfac.CurvatureOptions(estimation_mode="fisher_exact", on_unmatched="error"),
     )
 
 

@@ -27,6 +27,7 @@ from .loop import first_call as first_call, run_round as run_round, train as tra
 from .methods import (
     KFAC_METHODS as KFAC_METHODS,
     OPTAX as OPTAX,
+    RECOMMENDED_KFAC_JAX_KEYWORDS as RECOMMENDED_KFAC_JAX_KEYWORDS,
     Method as Method,
     make_optimizer as make_optimizer,
     make_step as make_step,
