@@ -365,3 +365,31 @@ def test_a_part_and_one_of_its_keywords_raise(entry, part, keyword):
     with pytest.raises(ValueError, match=f"{entry} got {part}= and the keywords \\['{next(iter(keyword))}'\\]"):
         getattr(eqx_kfac, entry)(loss_fn, (MODEL, BATCH), **kwargs)
 
+
+
+def test_eigenbasis_adam_keeps_its_moments_on_a_rejected_step():
+    # A step far too long raises the loss: rejected, the moments kept, the statistics moved on.
+    direction = eqx_kfac.EigenbasisAdam(b1=B1, b2=B2, eps=EPS)
+    optimizer = eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(loss_fn), curvature=CURVATURE, refresh=EVERY_STEP,
+        direction=direction, step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping(),
+        guard=eqx_kfac.StepGuard(reject_loss_increase=True),
+    )
+    state = optimizer.init(MODEL, jax.random.key(3), BATCH)
+    _, new_state, stats = optimizer.step(
+        MODEL, state, jax.random.key(4), batch=BATCH, learning_rate=1e3, momentum=0.0, damping=DAMPING
+    )
+    transform = eqx_kfac.kfac_optax(
+        loss_fn, (MODEL, BATCH), learning_rate=1e3, momentum=None, curvature=CURVATURE,
+        refresh=EVERY_STEP, direction=direction, use_step_rejection=True,
+    )
+    opt_state = transform.init(eqx.filter(MODEL, eqx.is_inexact_array))
+    _, new_opt_state = optax_step(transform, MODEL, opt_state)
+    assert bool(stats["rejected"]) and int(new_opt_state.guard_state.total_rejected) == 1
+    for before, after in (
+        (state, new_state), (opt_state.inner_state[0], new_opt_state.inner_state[0])
+    ):
+        assert int(after.direction_state.count) == 0
+        assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(after.direction_state))
+        weights = [float(s.estimator_state.block_states[0].factors[0].weight) for s in (before, after)]
+        assert weights == [0.0, 1.0]
