@@ -1,4 +1,4 @@
-"""The effect of each `Optimizer` option, checked against dense references.
+"""The effect of each `Optimizer` option (its parts' fields), checked against dense references.
 
 The references use the estimator's dense matrix (`to_dense_matrix`, tested against brute force in
 the estimator tests), `numpy.linalg.solve` and `jax.grad`, never the optimizer's own code path.
@@ -16,8 +16,10 @@ from models import mlp_classification
 
 import eqx_kfac
 
-from eqx_kfac import DenseFull
-from eqx_kfac import Optimizer
+from eqx_kfac import (
+    AdaptiveHyperparameter, CurvatureOptions, DenseFull, GivenDamping, MomentumStep, Optimizer,
+    PreconditionedGradient, RefreshSchedule, ScheduledDamping, ScheduledHyperparameter,
+)
 
 
 PROBLEM = mlp_classification(jax.random.key(0), sizes=(3, 4, 3), batch=5)
@@ -65,9 +67,15 @@ def _dense(opt, params, state):
     return np.asarray(_to_dense(est, state.estimator_state))
 
 
-def _fixed_opt(**kwargs):
-    return Optimizer(VG, l2_reg=kwargs.pop("l2_reg", 0.0), estimation_mode="ggn_exact",
-                     num_burnin_steps=0, **kwargs)
+# Learning rate, momentum and damping passed to `step`.
+GIVEN = dict(step_rule=MomentumStep(), damping_rule=GivenDamping())
+GGN_EXACT = CurvatureOptions(estimation_mode="ggn_exact")
+
+
+def _fixed_opt(inverse_update_period=1, curvature_ema=0.95, curvature=GGN_EXACT, **parts):
+    """No burn-in, exact GGN statistics, and `GIVEN`'s rules unless `parts` replace them."""
+    refresh = RefreshSchedule(0, inverse_update_period=inverse_update_period, curvature_ema=curvature_ema)
+    return Optimizer(VG, curvature=curvature, refresh=refresh, **(GIVEN | parts))
 
 
 L2 = 0.01
@@ -77,14 +85,16 @@ L2 = 0.01
 def exact_run():
     """Two steps of the optimizer that both the exact-inverse test and the statistics test check
     (its step compiled once): exact inverses with an L2 term, norms in the stats, the batch given
-    as a dict (`batch_process_func`) and an extractor that counts every example twice.
+    as a dict (`batch_process_func`, a keyword of `eqx_kfac.kfac_jax.Optimizer` only) and an
+    extractor that counts every example twice.
 
     Returns `(optimizer, [params before and after each step], [state, stats after each step])`.
     """
-    opt = _fixed_opt(l2_reg=L2, use_exact_inverses=True, inverse_update_period=1,
-                     include_norms_in_stats=True, include_per_param_norms_in_stats=True,
-                     batch_process_func=lambda b: (b["x"], b["y"]),
-                     batch_size_extractor=lambda b: 2 * b[0].shape[0])
+    opt = eqx_kfac.kfac_jax.Optimizer(
+        VG, l2_reg=L2, estimation_mode="ggn_exact", num_burnin_steps=0, use_exact_inverses=True,
+        inverse_update_period=1, include_norms_in_stats=True, include_per_param_norms_in_stats=True,
+        batch_process_func=lambda b: (b["x"], b["y"]), batch_size_extractor=lambda b: 2 * b[0].shape[0],
+    )
     batch = {"x": BATCH[0], "y": BATCH[1]}
     # An extractor that disagrees with the registered losses' batch dimension is honoured, with a warning.
     with pytest.warns(UserWarning, match="batch_size_extractor gives 10 examples, but the registered losses' inputs have 5"):
@@ -112,7 +122,7 @@ def test_exact_inverses_precondition_with_the_damped_dense_curvature(exact_run):
 
 
 def test_approximate_inverses_differ_from_exact_and_match_the_estimator():
-    opt = _fixed_opt(use_exact_inverses=False, inverse_update_period=1)
+    opt = _fixed_opt()
     params = PROBLEM.params
     state = opt.init(params, jax.random.key(0), BATCH)
     new_params, state, _ = opt.step(params, state, jax.random.key(0), batch=BATCH,
@@ -131,8 +141,10 @@ def test_approximate_inverses_differ_from_exact_and_match_the_estimator():
 def test_cached_inverses_and_curvature_moving_average():
     ema = 0.8
     # Full blocks: their moving average is linear in the curvature (K-FAC averages each factor).
-    opt = _fixed_opt(use_exact_inverses=True, inverse_update_period=2, curvature_ema=ema,
-                     layer_tag_to_block_ctor={"dense": DenseFull})
+    opt = _fixed_opt(
+        2, ema, CurvatureOptions(estimation_mode="ggn_exact", layer_tag_to_block_ctor={"dense": DenseFull}),
+        direction=PreconditionedGradient(exact_inverses=True),
+    )
     params0 = PROBLEM.params
     state = opt.init(params0, jax.random.key(0), BATCH)
     params1, state, _ = opt.step(params0, state, jax.random.key(0), batch=BATCH,
@@ -168,10 +180,12 @@ def test_schedules_equal_fixed_values_step_by_step():
         seen.append(True)
         return DAMP * (1.0 + data_seen / 10.0)
 
-    scheduled = _fixed_opt(learning_rate_schedule=lambda step: LR / (1.0 + step),
-                           momentum_schedule=lambda step: MOM * step / (1.0 + step),
-                           damping_schedule=damping_schedule, inverse_update_period=1)
-    fixed = _fixed_opt(inverse_update_period=1)
+    scheduled = _fixed_opt(
+        step_rule=MomentumStep(ScheduledHyperparameter(lambda step: LR / (1.0 + step)),
+                               ScheduledHyperparameter(lambda step: MOM * step / (1.0 + step))),
+        damping_rule=ScheduledDamping(damping_schedule),
+    )
+    fixed = _fixed_opt()
     params_s = params_f = PROBLEM.params
     state_s = scheduled.init(params_s, jax.random.key(0), BATCH)
     state_f = fixed.init(params_f, jax.random.key(0), BATCH)
@@ -190,8 +204,8 @@ def test_schedules_equal_fixed_values_step_by_step():
 
 def test_norm_constraint_scales_the_preconditioned_gradient():
     bound = 1e-3
-    constrained = _fixed_opt(norm_constraint=bound, inverse_update_period=1)
-    free = _fixed_opt(inverse_update_period=1)
+    constrained = _fixed_opt(direction=PreconditionedGradient(norm_constraint=bound))
+    free = _fixed_opt()
     params = PROBLEM.params
     out_c = constrained.step(params, constrained.init(params, jax.random.key(0), BATCH),
                              jax.random.key(0), batch=BATCH, learning_rate=LR, momentum=MOM,
@@ -209,9 +223,10 @@ def test_norm_constraint_scales_the_preconditioned_gradient():
 
 def test_burn_in_from_a_data_iterator_averages_its_batches():
     ema = 0.95
-    opt = Optimizer(VG, l2_reg=0.0, estimation_mode="ggn_exact", num_burnin_steps=2,
-                    curvature_ema=ema, inverse_update_period=1,
-                    layer_tag_to_block_ctor={"dense": DenseFull})
+    opt = Optimizer(
+        VG, curvature=CurvatureOptions(estimation_mode="ggn_exact", layer_tag_to_block_ctor={"dense": DenseFull}),
+        refresh=RefreshSchedule(num_burnin_steps=2, curvature_ema=ema, inverse_update_period=1), **GIVEN,
+    )
     params = PROBLEM.params
     batches = [_other_batch(10), _other_batch(20), BATCH, _other_batch(30)]
     iterator = iter(batches)
@@ -234,8 +249,10 @@ def test_burn_in_on_the_first_batch_equals_burn_in_from_repeats():
     # Sampled estimation: burn-in updates draw their own keys, so burn-in changes the estimate.
     # (The contract of `batch=`; called directly, it is implemented as repeats of the batch. The
     # same burn-in as a loop inside a user's jit: tests/test_optimizer_purity.py.)
-    opt = Optimizer(VG, l2_reg=0.0, estimation_mode="fisher_gradients", num_burnin_steps=3,
-                    inverse_update_period=1)
+    opt = Optimizer(
+        VG, curvature=CurvatureOptions(estimation_mode="fisher_gradients"),
+        refresh=RefreshSchedule(num_burnin_steps=3, inverse_update_period=1), **GIVEN,
+    )
     params = PROBLEM.params
     state0 = opt.init(params, jax.random.key(0), BATCH)
     out_batch = opt.step(params, state0, jax.random.key(5), batch=BATCH, learning_rate=LR,
@@ -256,7 +273,7 @@ def test_a_direct_first_step_runs_its_burn_in_as_a_program_of_its_own():
     # code), and the step program, compiled once, has no burn-in. Inside a user's jit they are
     # that loop, with the same result (tests/test_optimizer_purity.py).
     vg = eqx.filter_value_and_grad(lambda params, batch: PROBLEM.loss_fn(params, batch))  # compiles anew
-    opt = Optimizer(vg, l2_reg=0.0, num_burnin_steps=3, inverse_update_period=1)
+    opt = Optimizer(vg, refresh=RefreshSchedule(num_burnin_steps=3, inverse_update_period=1), **GIVEN)
     state0 = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
     compiled = []
 
@@ -308,9 +325,9 @@ def test_one_adaptive_coefficient_minimises_the_exact_quadratic_model(adaptive, 
     """Unbounded: the adapted coefficient is a stationary point of the exact damped model along
     it. Bounded (the default bounds): the minimiser over the interval, i.e. stationary inside it,
     or at a bound with the model's slope pointing out of the interval."""
-    bounds = {} if bounded else {f"adaptive_{adaptive}_bounds": None}
-    opt = Optimizer(VG, l2_reg=0.0, estimation_mode="ggn_exact", num_burnin_steps=0,
-                    inverse_update_period=1, **{f"use_adaptive_{adaptive}": True}, **bounds)
+    # The default step rule's bounds, and no trust region: the minimiser over the bounds.
+    bounds = {"learning_rate": (0.0, 10.0), "momentum": (-0.95, 0.95)}[adaptive] if bounded else ()
+    opt = _fixed_opt(step_rule=MomentumStep(**{adaptive: AdaptiveHyperparameter(*bounds)}))
     fixed = dict(learning_rate=LR, momentum=MOM, damping=DAMP)
     del fixed[adaptive]
     params = PROBLEM.params
@@ -365,9 +382,9 @@ def test_state_for_batch_keeps_the_statistics_for_a_smaller_batch():
     small = (x[:5], y[:5])
     damping, ema = 0.1, 0.9
     opt = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(problem.loss_fn), l2_reg=0.0, num_burnin_steps=0,
-        estimation_mode="ggn_exact", curvature_ema=ema, inverse_update_period=1,
-        use_exact_inverses=True,
+        eqx.filter_value_and_grad(problem.loss_fn), curvature=GGN_EXACT,
+        refresh=RefreshSchedule(num_burnin_steps=0, curvature_ema=ema, inverse_update_period=1),
+        direction=PreconditionedGradient(exact_inverses=True), **GIVEN,
     )
     given = dict(learning_rate=1.0, momentum=0.0, damping=damping)
     params, state, _ = opt.step(problem.params, opt.init(problem.params, jax.random.key(1), problem.batch),
