@@ -1,6 +1,6 @@
 """`import eqx_kfac.kfac_jax as kfac_jax` runs kfac-jax code: its README quickstart unchanged
-but for the import (step by step equal to the same run written with `eqx_kfac.Optimizer`'s
-parts), the pmap helpers of `kfac_jax.utils` on the 4 host CPU devices, the replicated calling
+but for the import (its optimizer equal, part by part, to `eqx_kfac.Optimizer` built from the
+parts kfac-jax's keywords name), the pmap helpers of `kfac_jax.utils` on the 4 host CPU devices, the replicated calling
 convention of the multi-device optimizer, kfac-jax HEAD's constructor keywords, FermiNet's
 graph-matcher names, and kfac-jax-style blocks refused at registration."""
 
@@ -110,33 +110,33 @@ def _run(source, **names):
     return namespace, printed
 
 
-def test_readme_quickstart_equals_eqx_kfac_parts():
-    """The README with the import renamed runs; each step's statistics equal those of the same
-    script with `eqx_kfac.Optimizer` built from the parts that kfac-jax's keywords name."""
+def test_readme_quickstart_runs_on_eqx_kfac_parts():
+    """The README with the import renamed runs and trains; its optimizer is `eqx_kfac.Optimizer`
+    built from the parts that kfac-jax's keywords name: every field but the value function
+    (the same `loss_fn`, wrapped by another `jax.value_and_grad`) is equal, and both take their
+    steps through the same `init` and `step`, so the two runs are the same step by step (each run
+    would compile its own step: comparing the parts costs nothing)."""
     pytest.importorskip("haiku")
     source = README.replace("import kfac_jax\n", "import eqx_kfac.kfac_jax as kfac_jax\n")
     dropin, printed = _run(source)
-    assert isinstance(dropin["optimizer"], kfac_jax.Optimizer) and len(printed) == 2
+    optimizer = dropin["optimizer"]
+    assert isinstance(optimizer, kfac_jax.Optimizer) and len(printed) == 2
+    losses = [float(stats["loss"]) for _, stats in printed]
+    assert all(np.isfinite(losses)) and losses[1] < losses[0]
+    assert all(not bool(stats["skipped"]) for _, stats in printed)
 
     unbounded = eqx_kfac.AdaptiveHyperparameter(-math.inf, math.inf)
-    parts = dict(
+    core = eqx_kfac.Optimizer(
+        jax.value_and_grad(dropin["loss_fn"]), dropin["L2_REG"],
         curvature=eqx_kfac.CurvatureOptions(estimation_mode="ggn_curvature_prop"),
         refresh=eqx_kfac.RefreshSchedule(max_statistics_growth=None),
         step_rule=eqx_kfac.MomentumStep(unbounded, unbounded),
         damping_rule=eqx_kfac.LevenbergMarquardtDamping(1.0, minimum=1e-8, fault_increase=1.0),
         guard=eqx_kfac.StepGuard(max_consecutive_faults=None, max_consecutive_stalls=None),
     )
-    core = source.replace(
-        source[source.index("optimizer = kfac_jax.Optimizer("):source.index("input_dataset =")],
-        "optimizer = eqx_kfac.Optimizer(jax.value_and_grad(loss_fn), L2_REG, **parts)\n\n",
-    )
-    reference, expected = _run(core, eqx_kfac=eqx_kfac, parts=parts)
-    for (i, stats), (j, ref) in zip(printed, expected, strict=True):
-        assert i == j
-        for key in ("loss", "new_loss", "learning_rate", "momentum", "damping", "rho", "quad_model_change"):
-            np.testing.assert_allclose(stats[key], ref[key], rtol=1e-10, err_msg=f"{key} at step {i}")
-    for a, b in zip(jax.tree.leaves(dropin["params"]), jax.tree.leaves(reference["params"]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
+    for field in ("l2_reg", "preconditioner", "step_rule", "damping_rule", "guard", "devices", "options"):
+        assert eqx.tree_equal(getattr(optimizer, field), getattr(core, field)), field
+    assert optimizer.function.value is core.function.value  # the README's loss_fn, recovered
 
 
 # kfac-jax HEAD's `Optimizer.__init__` parameters, in order.
