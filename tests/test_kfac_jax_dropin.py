@@ -181,6 +181,12 @@ def test_constructor_keywords_are_heads():
     assert all(p.kind is p.KEYWORD_ONLY for p in list(parameters.values())[len(HEAD_PARAMETERS):])
     defaults = {k: p.default for k, p in parameters.items()}
     assert (defaults["pmap_axis_name"], defaults["estimation_mode"], defaults["min_damping"]) == ("batch_axis", None, 1e-8)
+    # The defaults the translation is written against (`_keywords`) are the signature's.
+    from eqx_kfac.kfac_jax._keywords import IGNORED, KEYWORDS, REFUSED
+
+    written = {k: v for part in KEYWORDS.values() for k, v in part.items()}
+    written.update({k: v for k, (v, _) in {**REFUSED, **IGNORED}.items()})
+    assert all(defaults[k] == v or (v != v and defaults[k] != defaults[k]) for k, v in written.items())
     optimizer = kfac_jax.Optimizer(jax.value_and_grad(_loss), 0.0, multi_device=True)
     assert optimizer.pmap_axis_name == "batch_axis"
     assert optimizer.preconditioner.curvature.estimation_mode == "ggn_curvature_prop"
