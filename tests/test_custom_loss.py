@@ -188,10 +188,10 @@ def test_huber_regression_trains_with_kfac(getkey):
 
     optimizer = eqx_kfac.Optimizer(
         eqx.filter_value_and_grad(loss),
-        l2_reg=0.0,
-        estimation_mode="ggn_curvature_prop",
-        num_burnin_steps=1,
-        inverse_update_period=1,
+        curvature=eqx_kfac.CurvatureOptions(estimation_mode="ggn_curvature_prop"),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=1, inverse_update_period=1),
+        step_rule=eqx_kfac.MomentumStep(),
+        damping_rule=eqx_kfac.GivenDamping(),
     )
     batch = (x, y)
     state = optimizer.init(model, getkey(), batch)

@@ -97,9 +97,10 @@ def test_the_stop_names_the_first_bad_step_and_what_was_protected():
 
 
 def test_optimizer_names_the_first_bad_step_too():
-    opt = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0,
-                             max_consecutive_faults=2, use_adaptive_learning_rate=True,
-                             use_adaptive_momentum=True, use_adaptive_damping=True)
+    opt = eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(loss), refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0),
+        guard=eqx_kfac.StepGuard(reject_loss_increase=True, max_consecutive_faults=2),
+    )
     state = opt.init(MODEL, jax.random.key(0), BATCH)
     params = MODEL
     params, state, stats = opt.step(params, state, jax.random.key(1), batch=BATCH)
