@@ -1,0 +1,143 @@
+"""FermiNet HEAD's own training loop with `kfac_jax` replaced by `eqx_kfac.kfac_jax` (issue 49).
+
+Not a test: FermiNet is not a dependency. Give a FermiNet checkout (the directory holding the
+`ferminet` package) and, if its dependencies are not installed, a directory of them:
+
+    python benchmarks/ferminet_dropin.py --ferminet /path/to/ferminet-checkout \
+        [--deps /path/to/site-dir] [--iterations 20] [--atom He]
+
+What it does, in order:
+
+1. `sys.modules["kfac_jax"] = eqx_kfac.kfac_jax`: every `import kfac_jax` of FermiNet gets the
+   drop-in; nothing else of FermiNet is changed. `pyscf` (and `pandas`) are stubbed when they are
+   not installed: a config without Hartree-Fock pretraining never calls them.
+2. Imports `ferminet.train`. FermiNet registers its own blocks (`RepeatedDenseBlock`,
+   `QmcBlockedDense`, written against kfac-jax's block interface) at import; the drop-in refuses
+   them there, and the script prints the refusal. It then imports a copy of the checkout with
+   those two `set_default_tag_to_block_ctor` calls removed, which is what the refusal says to
+   do (the dense block treats the repeated axes as examples; the `"qmc"` variant is FermiNet's
+   opt-in full envelope, unused by default).
+3. Runs `ferminet.train.train` on a small atom (FermiNet's `atom` config, 64 walkers, two layers
+   of widths (16, 4), two determinants, no pretraining), with its pmap-replicated calling
+   convention, and prints the energies FermiNet logs and the time per iteration.
+"""
+
+import argparse
+import importlib
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+import types
+
+
+class _MissingMeta(type):
+    """Attributes of a stubbed name are stubbed names too (`pyscf.lib.exceptions.X`)."""
+
+    def __getattr__(cls, attr: str) -> type:
+        return _missing(f"{cls.__name__}.{attr}")
+
+
+def _missing(name: str) -> type:
+    """A stubbed name: a class (so annotations such as `pyscf.gto.Mole | None` work) that raises
+    when instantiated."""
+
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(f"{name} is stubbed by benchmarks/ferminet_dropin.py and was called")
+
+    return _MissingMeta(name, (Exception,), {"__init__": refuse})
+
+
+def _stub(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        for full in (name, f"{name}.gto", f"{name}.lib", f"{name}.scf"):
+            module = types.ModuleType(full)
+            module.__path__ = []  # a package, for `from pyscf.lib import exceptions`
+            module.__getattr__ = lambda attr, full=full: _missing(f"{full}.{attr}")  # type: ignore[attr-defined]
+            sys.modules[full] = module
+
+
+def _without_block_registrations(checkout: pathlib.Path) -> pathlib.Path:
+    """A copy of the checkout without FermiNet's two `set_default_tag_to_block_ctor` calls."""
+    copy = pathlib.Path(tempfile.mkdtemp(prefix="ferminet_dropin_")) / "src"
+    shutil.copytree(checkout / "ferminet", copy / "ferminet")
+    path = copy / "ferminet" / "curvature_tags_and_blocks.py"
+    lines = path.read_text().splitlines(keepends=True)
+    kept, skipping = [], False
+    for line in lines:
+        if line.startswith("kfac_jax.set_default_tag_to_block_ctor("):
+            skipping = not line.rstrip().endswith(")")
+            continue
+        if skipping:
+            skipping = not line.rstrip().endswith(")")
+            continue
+        kept.append(line)
+    path.write_text("".join(kept))
+    return copy
+
+
+def _import_train(checkout: pathlib.Path):
+    sys.path.insert(0, str(checkout))
+    try:
+        return importlib.import_module("ferminet.train"), "unchanged"
+    except TypeError as error:
+        print(f"FermiNet's import was refused, as designed:\n  {error}\n")
+        for name in [m for m in sys.modules if m == "ferminet" or m.startswith("ferminet.")]:
+            del sys.modules[name]
+        sys.path.remove(str(checkout))
+        copy = _without_block_registrations(checkout)
+        sys.path.insert(0, str(copy))
+        return importlib.import_module("ferminet.train"), "two set_default_tag_to_block_ctor calls removed"
+
+
+def _config(atom: str, iterations: int, save_path: str):
+    from ferminet.configs import atom as atom_config
+
+    cfg = atom_config.get_config()
+    cfg.system.atom = atom
+    cfg.batch_size = 64
+    cfg.pretrain.iterations = 0
+    cfg.mcmc.burn_in = 10
+    cfg.optim.iterations = iterations
+    cfg.network.ferminet.hidden_dims = ((16, 4), (16, 4))
+    cfg.network.determinants = 2
+    cfg.log.save_path = save_path
+    cfg.log.save_frequency = 1e6
+    return cfg.lock() if hasattr(cfg, "lock") else cfg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ferminet", type=pathlib.Path, required=True, help="a FermiNet checkout")
+    parser.add_argument("--deps", type=pathlib.Path, action="append", default=[], help="extra sys.path entries")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--atom", default="He")
+    args = parser.parse_args()
+    sys.path[:0] = [str(p) for p in args.deps]
+
+    import jax
+
+    import eqx_kfac.kfac_jax
+
+    jax.config.update("jax_enable_x64", False)
+    sys.modules["kfac_jax"] = eqx_kfac.kfac_jax
+    for name in ("pyscf", "pandas"):
+        _stub(name)
+    train, change = _import_train(args.ferminet)
+    from ferminet.configs import atom as atom_config
+
+    with tempfile.TemporaryDirectory() as save_path:
+        cfg = atom_config.adjust_nuclear_charge(_config(args.atom, args.iterations, save_path))
+        start = time.perf_counter()
+        train.train(cfg)
+        elapsed = time.perf_counter() - start
+        stats = (pathlib.Path(save_path) / "train_stats.csv").read_text().splitlines()
+    print(f"FermiNet ({change}) on {args.atom}: {args.iterations} iterations in {elapsed:.1f} s")
+    print("\n".join(stats[:3] + ["..."] + stats[-3:]))
+
+
+if __name__ == "__main__":
+    main()
