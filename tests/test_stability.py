@@ -21,12 +21,36 @@ import eqx_kfac
 PROBLEM = mlp_classification(jax.random.key(0), sizes=(3, 6, 3), batch=8)
 BATCH = PROBLEM.batch
 VG = eqx.filter_value_and_grad(PROBLEM.loss_fn)
-ADAPTIVE = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True)
+NO_BURNIN = eqx_kfac.RefreshSchedule(num_burnin_steps=0)
+# The module's configuration: the recommended parts (adaptive learning rate, momentum and damping,
+# steps that raise the loss rejected, statistics growing more than 1e3 times dropped), no burn-in.
+OPT = eqx_kfac.Optimizer(VG, refresh=NO_BURNIN)
 # The outlier test without a limit on the statistics' growth and the trust-region test's tight run
 # share one configuration, so that its step is compiled once: neither test's option matters to
 # the other's check.
-TIGHT_AND_UNLIMITED = dict(max_statistics_growth=None, max_predicted_decrease=1e-3,
-                           use_step_rejection=False)
+TIGHT_AND_UNLIMITED = dict(
+    refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0, max_statistics_growth=None),
+    step_rule=eqx_kfac.MomentumStep(
+        eqx_kfac.AdaptiveHyperparameter(0.0, 10.0), eqx_kfac.AdaptiveHyperparameter(-0.95, 0.95),
+        max_predicted_decrease=1e-3,
+    ),
+    guard=eqx_kfac.StepGuard(),
+)
+
+
+def _long_step_optimizer(raise_at_once=False, **guard):
+    """Adaptive damping from 1e-3 (and momentum) with the learning rate given to `step`; steps that
+    raise the loss rejected."""
+    return eqx_kfac.Optimizer(
+        VG, refresh=NO_BURNIN,
+        step_rule=eqx_kfac.MomentumStep(
+            eqx_kfac.GivenHyperparameter(), eqx_kfac.AdaptiveHyperparameter(-0.95, 0.95), max_predicted_decrease=0.5
+        ),
+        damping_rule=eqx_kfac.LevenbergMarquardtDamping(
+            1e-3, minimum=1e-6, fault_increase=2.0, raise_at_once=raise_at_once
+        ),
+        guard=eqx_kfac.StepGuard(reject_loss_increase=True, **guard),
+    )
 
 
 def _scaled(scale):
@@ -48,7 +72,7 @@ def _statistics(state):
 
 
 def test_overflowing_statistics_are_dropped_and_the_run_goes_on():
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, **ADAPTIVE)
+    opt = OPT
     params, state, _ = opt.step(PROBLEM.params, opt.init(PROBLEM.params, jax.random.key(0), BATCH),
                                 jax.random.key(1), batch=BATCH)
     before = _statistics(state)
@@ -67,8 +91,8 @@ def test_overflowing_statistics_are_dropped_and_the_run_goes_on():
 @pytest.mark.parametrize("growth", [1e3, None])
 def test_an_outlier_batch_is_not_folded_into_the_statistics(growth):
     # Inputs x1e6: finite, but their second moments are 1e12 times the usual ones.
-    options = TIGHT_AND_UNLIMITED if growth is None else dict(max_statistics_growth=growth)
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, **options, **ADAPTIVE)
+    opt = OPT if growth is not None else eqx_kfac.Optimizer(VG, **TIGHT_AND_UNLIMITED)
+    assert growth is None or opt.preconditioner.refresh.max_statistics_growth == growth
     params, state, _ = opt.step(PROBLEM.params, opt.init(PROBLEM.params, jax.random.key(0), BATCH),
                                 jax.random.key(1), batch=BATCH)
     before = _statistics(state)
@@ -85,9 +109,8 @@ def test_the_trust_region_bounds_the_predicted_decrease():
     # tests here, so its step is compiled once): its predicted decrease is at most the model
     # minimiser's, so where it exceeds 1e-3 times the loss, the limit of 1e-3 binds.
     optimizers = {
-        0.5: eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, **ADAPTIVE),
-        1e-3: eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, **TIGHT_AND_UNLIMITED,
-                                 **ADAPTIVE),
+        0.5: OPT,
+        1e-3: eqx_kfac.Optimizer(VG, **TIGHT_AND_UNLIMITED),
     }
     changes = {}
     for tau, opt in optimizers.items():
@@ -109,9 +132,7 @@ def test_a_collapse_of_rho_raises_the_damping_at_once():
     # configuration of the rejection test below: its step is compiled once.)
     dampings = {}
     for at_once in (False, True):
-        opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, use_adaptive_damping=True,
-                                 use_adaptive_momentum=True, initial_damping=1e-3,
-                                 raise_damping_at_once=at_once, max_consecutive_faults=None)
+        opt = _long_step_optimizer(at_once, max_consecutive_faults=None)
         state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
         _, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH,
                                    learning_rate=1e4)
@@ -180,8 +201,9 @@ def test_skip_non_finite_sees_what_the_inner_transformation_makes():
 
 
 def test_faults_in_a_row_stop_the_run_with_an_explanation():
-    # The default limit (20 faults in a row) and the module's configuration (compiled once).
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, **ADAPTIVE)
+    # The default limit (20 faults in a row) and the module's configuration (compiled once): a
+    # directly called step stops in Python.
+    opt = OPT
     state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
     nan_batch = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
     for i in range(19):
@@ -191,8 +213,10 @@ def test_faults_in_a_row_stop_the_run_with_an_explanation():
         opt.step(PROBLEM.params, state, jax.random.key(20), batch=nan_batch)
 
 
-def test_faults_in_a_row_stop_a_run_inside_jit_too():
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, max_consecutive_faults=1, **ADAPTIVE)
+def test_faults_in_a_row_stop_a_run_inside_jit_with_stop_in_program():
+    # (Without `stop_in_program`, `optimizer.check(state)` stops it: tests/test_platform_lowering.py.)
+    guard = eqx_kfac.StepGuard(reject_loss_increase=True, max_consecutive_faults=1, stop_in_program=True)
+    opt = eqx_kfac.Optimizer(VG, refresh=NO_BURNIN, guard=guard)
     state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
     step = eqx.filter_jit(lambda p, s, b: opt.step(p, s, jax.random.key(1), batch=b))
     with pytest.raises(Exception, match="1 consecutive steps were not applied"):
@@ -202,9 +226,10 @@ def test_faults_in_a_row_stop_a_run_inside_jit_too():
 def test_the_persistent_cache_stores_steps_without_a_host_callback(tmp_path):
     # JAX's persistent compilation cache does not store a program that holds a host callback.
     # `Optimizer.step` called directly checks its guard's count in Python, so its compiled step
-    # holds none and is stored. kfac_optax's default stop after 20 faults in a row is a callback
-    # in the user's jitted step: tracing it with the cache on warns, and the step is not stored;
-    # with max_consecutive_faults=None it is (and `check_consecutive_faults` checks in Python).
+    # holds none and is stored. kfac_optax's stop after 20 faults in a row with
+    # `stop_in_program=True` is a callback in the user's jitted step: tracing it with the cache on
+    # warns, and the step is not stored; by default it is (and `check_consecutive_faults` checks
+    # in Python).
     script = f"""
 import warnings, jax, equinox as eqx, optax, eqx_kfac
 eqx_kfac.enable_compilation_cache({str(tmp_path)!r}, min_compile_time_secs=0.0)
@@ -214,26 +239,24 @@ def loss(model, batch):
     logits = jax.vmap(model)(batch[0])
     eqx_kfac.register_softmax_cross_entropy_loss(logits, batch[1])
     return -jax.numpy.mean(jax.nn.log_softmax(logits)[jax.numpy.arange(8), batch[1]])
-opt = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0,
-                         use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-                         use_adaptive_damping=True)
+opt = eqx_kfac.Optimizer(eqx.filter_value_and_grad(loss), refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0))
 opt.step(model, opt.init(model, jax.random.key(0), batch), jax.random.key(1), batch=batch)
 params, static = eqx.partition(model, eqx.is_inexact_array)
-def make_step(limit):
-    transform = eqx_kfac.kfac_optax(loss, (model, batch), max_consecutive_faults=limit)
+def make_step(stop_in_program):
+    transform = eqx_kfac.kfac_optax(loss, (model, batch), stop_in_program=stop_in_program)
     def step(params, state):
         grads = eqx.filter_grad(loss)(eqx.combine(params, static), batch)
         updates, state = transform.update(grads, state, params, batch=batch, key=jax.random.key(2))
         return optax.apply_updates(params, updates), state
     return transform.init(params), step
-state, step = make_step(20)
+state, step = make_step(True)
 def guarded_step(params, state):
     return step(params, state)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     jax.jit(guarded_step)(params, state)
 assert any("will not be stored" in str(w.message) for w in caught), caught
-state, step = make_step(None)
+state, step = make_step(False)
 def free_step(params, state):
     return step(params, state)
 with warnings.catch_warnings(record=True) as caught:
@@ -268,9 +291,7 @@ def test_check_consecutive_faults_reads_every_guard_in_a_state():
 def test_a_step_that_raises_the_loss_is_rejected_and_the_damping_raised():
     # A fixed, far too long learning rate with adaptive damping: every step raises the loss.
     # (Adaptive momentum: the configuration of the collapse test above, compiled once.)
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, use_adaptive_damping=True,
-                             use_adaptive_momentum=True, initial_damping=1e-3,
-                             max_consecutive_faults=None)
+    opt = _long_step_optimizer(max_consecutive_faults=None)
     state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
     params, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH,
                                     learning_rate=1e4)
@@ -299,17 +320,18 @@ def test_a_rise_within_rounding_is_not_rejected(dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype, options, hyper",
+    "dtype, adaptive, hyper",
     [
-        (jnp.bfloat16, ADAPTIVE, {}),
-        (jnp.float16, {}, dict(learning_rate=0.1, momentum=0.9, damping=0.1)),
+        (jnp.bfloat16, True, {}),
+        (jnp.float16, False, dict(learning_rate=0.1, momentum=0.9, damping=0.1)),
     ],
 )
-def test_low_precision_parameters_train_and_keep_their_dtype(dtype, options, hyper):
+def test_low_precision_parameters_train_and_keep_their_dtype(dtype, adaptive, hyper):
     params = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, PROBLEM.params)
     batch = (BATCH[0].astype(dtype), BATCH[1])
-    if options:
-        opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, on_unmatched="error", **options)
+    strict = eqx_kfac.CurvatureOptions(on_unmatched="error")
+    if adaptive:
+        opt = eqx_kfac.Optimizer(VG, refresh=NO_BURNIN, curvature=strict)
         state = opt.init(params, jax.random.key(0), batch)
         p = params
         for i in range(2):
@@ -318,7 +340,8 @@ def test_low_precision_parameters_train_and_keep_their_dtype(dtype, options, hyp
         assert {s.dtype for s in _statistics(state)} == {jnp.dtype(jnp.float32)}
         assert not bool(stats["skipped"]) and _finite(p)
         return
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, on_unmatched="error")
+    opt = eqx_kfac.Optimizer(VG, refresh=NO_BURNIN, curvature=strict, step_rule=eqx_kfac.MomentumStep(),
+                             damping_rule=eqx_kfac.GivenDamping())
     p, state, _ = opt.step(params, opt.init(params, jax.random.key(0), batch), jax.random.key(1),
                            batch=batch, **hyper)
     assert {x.dtype for x in jax.tree.leaves(eqx.filter(p, eqx.is_inexact_array))} == {jnp.dtype(dtype)}
@@ -332,7 +355,8 @@ def test_low_precision_parameters_train_and_keep_their_dtype(dtype, options, hyp
 
 def test_float32_parameters_with_float64_inputs_keep_structured_blocks_and_train():
     params = jax.tree.map(lambda x: x.astype(jnp.float32) if eqx.is_inexact_array(x) else x, PROBLEM.params)
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=1, on_unmatched="error", **ADAPTIVE)
+    opt = eqx_kfac.Optimizer(VG, refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=1),
+                             curvature=eqx_kfac.CurvatureOptions(on_unmatched="error"))
     state = opt.init(params, jax.random.key(0), BATCH)
     losses = []
     for i in range(6):
@@ -354,9 +378,14 @@ def test_the_count_of_examples_cannot_wrap():
     past = eqx_kfac.ExampleCount.zero().add(2**30).add(2**30).add(54)
     assert past.as_int() == 2**31 + 54
     assert np.float32(past.as_int()) == np.float32(2147483648.0)
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0,
-                             learning_rate_schedule=lambda step, data_seen: 0.1 / (1 + data_seen / 2**31),
-                             momentum_schedule=lambda step: 0.0, damping_schedule=lambda step: 0.1)
+    opt = eqx_kfac.Optimizer(
+        VG, refresh=NO_BURNIN,
+        step_rule=eqx_kfac.MomentumStep(
+            eqx_kfac.ScheduledHyperparameter(lambda step, data_seen: 0.1 / (1 + data_seen / 2**31)),
+            eqx_kfac.ScheduledHyperparameter(lambda step: 0.0),
+        ),
+        damping_rule=eqx_kfac.ScheduledDamping(lambda step: 0.1),
+    )
     state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
     state = eqx.tree_at(lambda s: s.examples_seen, state, count)
     _, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH)
@@ -365,7 +394,7 @@ def test_the_count_of_examples_cannot_wrap():
 
 
 def test_misuse_raises_clear_errors():
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, **ADAPTIVE)
+    opt = OPT
     state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
     other = mlp_classification(jax.random.key(1), sizes=(3, 5, 3), batch=8).params
     with pytest.raises(ValueError, match="parameters passed to step are not those given to init"):
@@ -382,7 +411,7 @@ def test_misuse_raises_clear_errors():
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch[1][:, None], 1)[:, 0]
 
     vector = eqx_kfac.Optimizer(eqx.filter_value_and_grad(lambda p, b: jnp.sum(vector_loss(p, b))),
-                                value_func=vector_loss, l2_reg=0.0, **ADAPTIVE)
+                                value_func=vector_loss)
     with pytest.raises(ValueError, match="must return a scalar loss"):
         vector.init(PROBLEM.params, jax.random.key(0), BATCH)
     transform = eqx_kfac.kfac_preconditioner(PROBLEM.loss_fn, (PROBLEM.params, BATCH), damping=0.1)
@@ -409,7 +438,7 @@ def test_suspicious_registrations_warn_and_bad_labels_raise():
         assert any(re.search(message, str(w.message)) for w in caught), loss.__name__
     labels = BATCH[1].at[0].set(-1)
     bad = (BATCH[0], labels)
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, **ADAPTIVE)
+    opt = OPT
     with pytest.raises(ValueError, match=r"loss #0 .* 1 labels outside \[0, classes\)"):
         opt.init(PROBLEM.params, jax.random.key(0), bad)
 
@@ -434,9 +463,13 @@ def test_damping_calibration_stops_where_the_rule_keeps_the_damping():
     # far below or far above. (`initial_damping`, a static field, only sets the damping of the
     # state `init` builds: the start far above is set there, so that one optimizer's trial and
     # step are compiled once for both starts.)
-    opt = eqx_kfac.Optimizer(VG, l2_reg=0.0, num_burnin_steps=1, initial_damping=1e-4,
-                             damping_adaptation_interval=1, use_initial_damping_calibration=True,
-                             use_step_rejection=False, **ADAPTIVE)
+    opt = eqx_kfac.Optimizer(
+        VG, refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=1),
+        damping_rule=eqx_kfac.LevenbergMarquardtDamping(
+            1e-4, interval=1, minimum=1e-6, fault_increase=2.0, calibrate=True
+        ),
+        guard=eqx_kfac.StepGuard(),
+    )
     for initial in (1e-4, 10.0):
         state = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
         np.testing.assert_array_equal(np.asarray(state.damping), 1e-4)
