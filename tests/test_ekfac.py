@@ -155,24 +155,40 @@ def _check_projection(ekfac, kfac, exact):
     np.testing.assert_allclose(lhs, rhs, rtol=1e-8)
 
 
+@eqx.filter_jit
+def _refresh_from_kfac(block, kfac, full, d1, d2):
+    """EK-FAC's estimate before and after its first basis refresh, K-FAC's and the exact one on
+    `d1`, and its scaling moved by `d2` (compiled once: quicker than op by op)."""
+    update = lambda b, state, data, old, new: b.update_curvature_matrix_estimate(state, data, old, new, BATCH)
+    fresh = update(block, block.init(None), d1, 0.0, 1.0)
+    refreshed = block.update_cache(fresh, 0.0)
+    kfac_state = update(kfac, kfac.init(None), d1, 0.0, 1.0)
+    return dict(
+        fresh=block.to_dense_matrix(fresh),
+        exact=full.to_dense_matrix(update(full, full.init(None), d1, 0.0, 1.0)),
+        refreshed=block.to_dense_matrix(refreshed),
+        kfac=kfac.to_dense_matrix(kfac_state),
+        eigenvalues=block.eigenvalues(refreshed),
+        kfac_eigenvalues=kfac.eigenvalues(kfac_state),
+        before=refreshed.scaling.value,
+        moved=update(block, refreshed, d2, 0.5, 0.25).scaling.value,
+        target=update(block, refreshed, d2, 0.0, 1.0).scaling.value,
+    )
+
+
 def test_basis_refresh_restarts_from_kfac_and_keeps_the_weight(getkey):
     spec = dense_spec(3, 2, extra=(2,))
-    block, kfac = DenseEigenbasisKFAC(spec), DenseTwoKroneckerFactored(spec)
     d1, d2 = random_data(spec, getkey()), random_data(spec, getkey())
-    state = block.update_curvature_matrix_estimate(block.init(None), d1, 0.0, 1.0, BATCH)
+    got = {k: np.asarray(v) for k, v in _refresh_from_kfac(
+        DenseEigenbasisKFAC(spec), DenseTwoKroneckerFactored(spec), DenseFull(spec), d1, d2
+    ).items()}
     # Before any refresh the basis is the identity: the estimate is the exact diagonal.
-    full = DenseFull(spec)
-    exact = full.to_dense_matrix(full.update_curvature_matrix_estimate(full.init(None), d1, 0.0, 1.0, BATCH))
-    np.testing.assert_allclose(block.to_dense_matrix(state), np.diag(np.diag(exact)), rtol=1e-10, atol=1e-14)
-    state = block.update_cache(state, 0.0)
-    kfac_state = kfac.update_curvature_matrix_estimate(kfac.init(None), d1, 0.0, 1.0, BATCH)
-    np.testing.assert_allclose(block.to_dense_matrix(state), kfac.to_dense_matrix(kfac_state), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(np.sort(block.eigenvalues(state)), np.sort(kfac.eigenvalues(kfac_state)), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got["fresh"], np.diag(np.diag(got["exact"])), rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(got["refreshed"], got["kfac"], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.sort(got["eigenvalues"]), np.sort(got["kfac_eigenvalues"]), rtol=1e-10, atol=1e-12)
     # A later batch moves the scaling by ema_new / (ema_old * weight + ema_new) towards its moment.
-    before = np.asarray(state.scaling.value)
-    moved = block.update_curvature_matrix_estimate(state, d2, 0.5, 0.25, BATCH)
-    target = block.update_curvature_matrix_estimate(state, d2, 0.0, 1.0, BATCH).scaling.value
-    np.testing.assert_allclose(moved.scaling.value, before + (0.25 / 0.75) * (target - before), rtol=1e-10)
+    before = got["before"]
+    np.testing.assert_allclose(got["moved"], before + (0.25 / 0.75) * (got["target"] - before), rtol=1e-10)
 
 
 ALGEBRA = [
@@ -247,23 +263,34 @@ def test_rejects_layers_without_a_kronecker_eigenbasis(getkey):
         Conv2DEigenbasisKFAC(spec)
 
 
+@eqx.filter_jit
+def _fresh_dense_matrix(estimator, func_args, batch_size, key):
+    """The estimator's dense matrix after one update from zero (compiled: quicker than eager)."""
+    state = estimator.update_curvature_matrix_estimate(estimator.init(None), 0.0, 1.0, batch_size, key, func_args)
+    return estimator.to_dense_matrix(state)
+
+
+@ft.cache
+def _kfac_damped_direction(damping, mode):
+    """An MLP problem, its gradient and K-FAC's exactly damped direction `(A ⊗ G + λI)⁻¹ g` on its
+    batch, from the dense matrix of a K-FAC estimator (computed once for both paths below)."""
+    problem = models.mlp_classification(jax.random.key(1), sizes=(3, 4, 3), batch=6)
+    kfac = BlockDiagonalCurvature(problem.loss_fn, problem.func_args, default_estimation_mode=mode)
+    dense = np.asarray(_fresh_dense_matrix(kfac, problem.func_args, 6, jax.random.key(2)))
+    grads = eqx.filter_grad(problem.loss_fn)(problem.params, problem.batch)
+    flat_grads, _ = models.flat_params(grads)
+    return problem, grads, np.linalg.solve(dense + damping * np.eye(len(dense)), np.asarray(flat_grads))
+
+
 @pytest.mark.parametrize("path", ["kfac_preconditioner", "Optimizer"])
 def test_without_a_cache_the_basis_is_refreshed_at_every_step(path, getkey):
     """With `inverse_update_period=1` EK-FAC's basis is recomputed from the statistics at every
     step (it once stayed the identity: the refresh was skipped when nothing was cached), so its
     direction is K-FAC's exactly damped one, `(A ⊗ G + λI)⁻¹ g`, checked against the dense
     matrix of a K-FAC estimator on the same batch."""
-    problem = models.mlp_classification(getkey(), sizes=(3, 4, 3), batch=6)
     damping, mode = 0.1, "fisher_exact"
+    problem, grads, expected = _kfac_damped_direction(damping, mode)
     ekfac = {"dense": DenseEigenbasisKFAC}
-    kfac = BlockDiagonalCurvature(problem.loss_fn, (problem.params, problem.batch),
-                                  default_estimation_mode=mode)
-    state = kfac.update_curvature_matrix_estimate(kfac.init(getkey()), 0.0, 1.0, 6, getkey(),
-                                                  (problem.params, problem.batch))
-    dense = np.asarray(kfac.to_dense_matrix(state))
-    grads = eqx.filter_grad(problem.loss_fn)(problem.params, problem.batch)
-    flat_grads, _ = models.flat_params(grads)
-    expected = np.linalg.solve(dense + damping * np.eye(len(dense)), np.asarray(flat_grads))
     if path == "kfac_preconditioner":
         transform = eqx_kfac.kfac_preconditioner(
             problem.loss_fn, (problem.params, problem.batch), damping=damping, curvature_ema=0.0,
@@ -275,9 +302,10 @@ def test_without_a_cache_the_basis_is_refreshed_at_every_step(path, getkey):
         got = models.flat_params(direction)[0]
     else:
         optimizer = eqx_kfac.Optimizer(
-            eqx.filter_value_and_grad(problem.loss_fn), l2_reg=0.0, num_burnin_steps=0,
-            curvature_ema=0.0, inverse_update_period=1, estimation_mode=mode,
-            layer_tag_to_block_ctor=ekfac,
+            eqx.filter_value_and_grad(problem.loss_fn),
+            curvature=eqx_kfac.CurvatureOptions(estimation_mode=mode, layer_tag_to_block_ctor=ekfac),
+            refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=0, inverse_update_period=1, curvature_ema=0.0),
+            step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping(),
         )
         opt_state = optimizer.init(problem.params, getkey(), problem.batch)
         new_params, _, _ = optimizer.step(problem.params, opt_state, getkey(), batch=problem.batch,
