@@ -354,3 +354,18 @@ def test_kfac_jax_style_blocks_are_refused_at_registration():
     with pytest.raises(TypeError, match="registered for 'dense'"):
         kfac_jax.Optimizer(jax.value_and_grad(_loss), 0.0, layer_tag_to_block_ctor={"dense": RepeatedDenseBlock})
     assert kfac_jax.KroneckerFactored.State is eqx_kfac.KroneckerState
+
+
+def test_function_forms_of_the_examples():
+    """`kfac_jax.optimizer.make_func_args` and `extract_func_outputs`, as kfac-jax's examples call
+    them, in every form."""
+    o, k = kfac_jax.optimizer, jax.random.key(0)
+    assert o.make_func_args("p", None, None, "b", has_state=False, has_rng=False) == ("p", "b")
+    assert o.make_func_args("p", "s", k, "b", has_state=True, has_rng=True) == ("p", "s", k, "b")
+    assert o.make_func_args("p", None, k, "b", has_state=False, has_rng=True) == ("p", k, "b")
+    with pytest.raises(ValueError, match="rng=None"):
+        o.make_func_args("p", None, None, "b", has_state=False, has_rng=True)
+    loss = jnp.asarray(1.0)
+    assert o.extract_func_outputs(loss, has_aux=False, has_state=False) == (loss, None, None)
+    assert o.extract_func_outputs((loss, ("s", "a")), has_aux=True, has_state=True) == (loss, "s", "a")
+    assert o.extract_func_outputs((loss, "s"), has_aux=False, has_state=True) == (loss, "s", None)

@@ -20,10 +20,16 @@ from .._optim.optimizer_state import OptimizerState
 from .._optim.preconditioner import Preconditioner
 from .._optim.refresh import AbstractRefreshSchedule
 from .._optim.step_rule import AbstractStepRule
+from .._optim.arguments import check_func_state
 from .._optim.value_function import ValueFunction
 from ._keywords import built
-from .utils import Numeric
+from .utils import Array as Array, Numeric as Numeric, ScheduleType as ScheduleType
+from .utils import ValueAndGradFunc as ValueAndGradFunc, ValueFunc as ValueFunc
 from ._replicated import is_per_device, merged_batch, replicated, unreplicated
+
+# kfac-jax's names of the function's argument and output forms.
+FuncArgsVariants = tuple[Any, ...]
+FuncOutputs = Array | tuple[Array, Any]
 
 # A key, or one key per device (kfac-jax's replicated convention).
 PerDeviceKeys = PRNGKeyArray | Key[Array, " devices"] | UInt32[Array, "devices 2"]
@@ -186,3 +192,48 @@ class Optimizer(AbstractKFACOptimizer):
 
 def _merged_batches(data_iterator: Iterator[Any]) -> Iterator[Any]:
     return (merged_batch(batch) for batch in data_iterator)
+
+
+def _forms(has_aux: bool, has_state: bool, has_rng: bool) -> ValueFunction:
+    """A `ValueFunction` used only for its argument and output forms (`args`, `split`); its
+    functions are `_forms` itself, never called."""
+    return ValueFunction(_forms, _forms, _forms, has_aux, has_state, has_rng, None)
+
+
+def make_func_args(
+    params: PyTree, func_state: PyTree, rng: PRNGKeyArray | None, batch: PyTree, has_state: bool, has_rng: bool
+) -> FuncArgsVariants:
+    """The model function's arguments `(params, [func_state], [rng], batch)` (kfac-jax's function).
+
+    **Arguments:**
+
+    - `params`, `func_state`, `rng`, `batch`: the arguments (`func_state` and `rng` may be
+      `None` when the function takes none).
+    - `has_state`, `has_rng`: whether the function takes a state and a key.
+
+    **Returns:**
+
+    The tuple of arguments.
+    """
+    check_func_state(has_state, func_state)
+    if has_rng and rng is None:
+        raise ValueError("make_func_args: rng=None, but has_rng=True; pass the key.")
+    return _forms(False, has_state, has_rng).args(params, func_state, rng, batch)
+
+
+def extract_func_outputs(
+    raw_outputs: FuncOutputs, has_aux: bool, has_state: bool
+) -> tuple[Array, Any, Any]:
+    """`(loss, func_state, aux)` of the model function's output (kfac-jax's function; `None`
+    where the function returns none).
+
+    **Arguments:**
+
+    - `raw_outputs`: `loss`, `(loss, aux)`, `(loss, func_state)` or `(loss, (func_state, aux))`.
+    - `has_aux`, `has_state`: the form.
+
+    **Returns:**
+
+    The triple.
+    """
+    return _forms(has_aux, has_state, False).split(raw_outputs)
