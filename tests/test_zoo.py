@@ -47,9 +47,11 @@ def test_vmc_reaches_the_ground_state_energy(registration):
     # log|ψ| registered inside the energy's custom JVP rule (FermiNet's way) or in the loss.
     problem = zoo.vmc.problem(jax.random.key(0), registration, batch_size=256)
     settings = dict(
-        use_adaptive_learning_rate=False, use_adaptive_momentum=False, use_adaptive_damping=False,
-        learning_rate_schedule=lambda s: 0.05, momentum_schedule=lambda s: 0.0,
-        damping_schedule=lambda s: 1e-3, norm_constraint=1e-3,
+        step_rule=eqx_kfac.MomentumStep(
+            eqx_kfac.ScheduledHyperparameter(lambda s: 0.05), eqx_kfac.ScheduledHyperparameter(lambda s: 0.0)
+        ),
+        damping_rule=eqx_kfac.ScheduledDamping(lambda s: 1e-3),
+        direction=eqx_kfac.PreconditionedGradient(norm_constraint=1e-3),
     )
     run = train(problem, Method("kfac", options=settings), 300)
     assert run.losses[0] > 1.6
