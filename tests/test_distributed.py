@@ -19,10 +19,6 @@ import numpy as np
 
 N_IN, N_HIDDEN, N_OUT, BATCH, STEPS = 3, 5, 4, 16, 4
 FIXED = dict(learning_rate=0.1, momentum=0.5, damping=1e-2)
-ADAPTIVE = dict(
-    use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
-    initial_damping=1.0, damping_adaptation_interval=2,
-)
 
 
 def _mlp(key):
@@ -52,13 +48,19 @@ def _flat(tree):
     return np.concatenate([np.ravel(np.asarray(a)) for a in leaves])
 
 
-def _optimizer(mode, setting, num_burnin_steps=1, **kwargs):
-    from eqx_kfac import Optimizer
+def _optimizer(mode, setting, num_burnin_steps=1, devices=None, distributed=True):
+    """"adaptive": the recommended rules with the damping from 1, adapted every 2 steps; "fixed":
+    `FIXED` given to `step`. `distributed`: the direction's (and `devices`' inverses')."""
+    import eqx_kfac
 
-    ctor = ADAPTIVE if setting == "adaptive" else {}
-    return Optimizer(
-        eqx.filter_value_and_grad(_loss), l2_reg=1e-3, estimation_mode=mode,
-        num_burnin_steps=num_burnin_steps, inverse_update_period=2, **ctor, **kwargs,
+    if setting == "adaptive":
+        rules = dict(damping_rule=eqx_kfac.LevenbergMarquardtDamping(1.0, interval=2, minimum=1e-6, fault_increase=2.0))
+    else:
+        rules = dict(step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping())
+    return eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(_loss), l2_reg=1e-3, curvature=eqx_kfac.CurvatureOptions(estimation_mode=mode),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=num_burnin_steps, inverse_update_period=2),
+        direction=eqx_kfac.PreconditionedGradient(distributed=distributed), devices=devices, **rules,
     )
 
 
@@ -86,6 +88,7 @@ def _worker(process_id: int, port: int, out_path: str) -> None:
     jax.distributed.initialize(
         coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id
     )
+    from eqx_kfac import MultiDevice
     from eqx_kfac._core.distributed import data_mesh
 
     mesh = data_mesh("kfac_axis")
@@ -97,7 +100,7 @@ def _worker(process_id: int, port: int, out_path: str) -> None:
         jax.make_array_from_process_local_data(sharding, np.asarray(a)[local]) for a in (x, y)
     )
     replicated = jax.device_put(model, NamedSharding(mesh, PartitionSpec()))
-    opt = _optimizer("ggn_exact", "adaptive", multi_device=True, mesh=mesh)
+    opt = _optimizer("ggn_exact", "adaptive", devices=MultiDevice(mesh))
     replicated, stats = _run(opt, "adaptive", replicated, batch)
     # The sharded layout on a 2-D mesh (processes x local devices), as docs/distributed.md says.
     from eqx_kfac import sharding_by_size
@@ -105,7 +108,7 @@ def _worker(process_id: int, port: int, out_path: str) -> None:
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, -1), ("kfac_axis", "model"))
     sharded = eqx.filter_shard(model, sharding_by_size(model, mesh))
-    opt = _optimizer("ggn_exact", "adaptive", multi_device=True, mesh=mesh, shard_state=True)
+    opt = _optimizer("ggn_exact", "adaptive", devices=MultiDevice(mesh, shard_state=True))
     sharded, _ = _run(opt, "adaptive", sharded, batch)
     sharded = jax.tree.map(lambda a: multihost_utils.process_allgather(a, tiled=True),
                            eqx.filter(sharded, eqx.is_array))
@@ -131,7 +134,7 @@ from eqx_kfac._core.distributed import (  # noqa: E402
     data_mesh,
     fold_in_device,
 )
-from eqx_kfac import BlockDiagonalCurvature  # noqa: E402
+from eqx_kfac import BlockDiagonalCurvature, MultiDevice  # noqa: E402
 
 
 def _assert_same_update(model, single, multi):
@@ -161,8 +164,7 @@ def test_multi_device_steps_equal_single_device(mode, setting, distributed, mesh
         mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("kfac_axis", "model"))
     single, single_stats = _run(_optimizer(mode, setting, burnin), setting, model, batch)
     opt = _optimizer(
-        mode, setting, burnin, multi_device=True, mesh=mesh, distributed_inverses=distributed,
-        distributed_precon_apply=distributed,
+        mode, setting, burnin, MultiDevice(mesh, distributed_inverses=distributed), distributed
     )
     multi, multi_stats = _run(opt, setting, model, batch)
     _assert_same_update(model, single, multi)
@@ -174,7 +176,7 @@ def test_multi_device_steps_equal_single_device(mode, setting, distributed, mesh
 def test_uneven_batch_is_rejected():
     model, (x, y) = _problem()
     batch = (x[:14], y[:14])
-    opt = _optimizer("ggn_exact", "fixed", multi_device=True)
+    opt = _optimizer("ggn_exact", "fixed", devices=MultiDevice())
     state = opt.init(model, jax.random.key(0), batch)
     with pytest.raises(ValueError, match=r"batch size 14.*multiple of 4"):
         opt.step(model, state, jax.random.key(1), batch=batch, **FIXED)
@@ -182,8 +184,8 @@ def test_uneven_batch_is_rejected():
 
 def test_mesh_without_the_data_axis_is_rejected():
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    with pytest.raises(ValueError, match="pmap_axis_name='kfac_axis'"):
-        _optimizer("ggn_exact", "fixed", multi_device=True, mesh=mesh)
+    with pytest.raises(ValueError, match=r"mesh has axes \('data',\) but the batch is split over .*'kfac_axis'"):
+        MultiDevice(mesh)
 
 
 def _sharded(fn, in_specs):

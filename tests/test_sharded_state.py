@@ -1,5 +1,5 @@
-"""Sharded state: `Optimizer(multi_device=True, shard_state=True)` over a 2 x 2 mesh of the 4 host
-CPU devices (conftest), and the runnable example of docs/distributed.md.
+"""Sharded state: `Optimizer(devices=MultiDevice(mesh, shard_state=True))` over a 2 x 2 mesh of the 4
+host CPU devices (conftest), and the runnable example of docs/distributed.md.
 
 The step is one SPMD program over global arrays: it must equal the single-device step, keep the
 state laid out by `sharding_by_size` and the parameters as the caller placed them, and hold per
@@ -23,8 +23,12 @@ from doc_pages import DOCS
 N_IN, WIDTH, N_OUT, BATCH, STEPS, STACK = 8, 16, 4, 16, 3, 4
 # Given coefficients, eigendecompositions, and the sampled Fisher: the SPMD program draws the same
 # samples as one device (one key). (The docs example has adaptive ones.)
-OPTIONS = dict(estimation_mode="fisher_gradients", use_exact_inverses=True)
 GIVEN = dict(learning_rate=0.1, momentum=0.5, damping=1e-2)
+# The learning rate and momentum adapted within the recommended bounds (the damping given).
+ADAPTIVE_STEP = eqx_kfac.MomentumStep(
+    eqx_kfac.AdaptiveHyperparameter(0.0, 10.0), eqx_kfac.AdaptiveHyperparameter(-0.95, 0.95),
+    max_predicted_decrease=0.5,
+)
 
 
 def _mesh():
@@ -63,10 +67,13 @@ def _problem():
     return loss, _scan(), batch
 
 
-def _optimizer(loss, **kwargs):
+def _optimizer(loss, devices=None, step_rule=eqx_kfac.MomentumStep()):
     return eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(loss), l2_reg=1e-3, num_burnin_steps=1, inverse_update_period=2,
-        **OPTIONS, **kwargs,
+        eqx.filter_value_and_grad(loss), l2_reg=1e-3,
+        curvature=eqx_kfac.CurvatureOptions(estimation_mode="fisher_gradients"),
+        refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=1, inverse_update_period=2),
+        direction=eqx_kfac.PreconditionedGradient(exact_inverses=True),
+        step_rule=step_rule, damping_rule=eqx_kfac.GivenDamping(), devices=devices,
     )
 
 
@@ -100,7 +107,7 @@ def test_sharded_steps_equal_single_device_in_a_fraction_of_the_memory():
     single, single_state, single_stats, _ = _run(_optimizer(loss), model, batch)
     mesh = _mesh()
     placed = eqx.filter_shard(model, eqx_kfac.sharding_by_size(model, mesh))
-    optimizer = _optimizer(loss, multi_device=True, mesh=mesh, pmap_axis_name="data", shard_state=True)
+    optimizer = _optimizer(loss, eqx_kfac.MultiDevice(mesh, axis_name="data", shard_state=True))
     multi, state, stats, memory = _run(optimizer, placed, batch)
 
     update = _flat(single) - _flat(model)
@@ -159,9 +166,10 @@ def test_sharding_by_size():
 
 
 def test_shard_state_needs_multi_device():
+    # kfac-jax's keywords: `MultiDevice(shard_state=True)` is multi-device by itself.
     loss, _, _ = _problem()
-    with pytest.raises(ValueError, match="multi_device=True"):
-        _optimizer(loss, shard_state=True)
+    with pytest.raises(ValueError, match="shard_state=True shards the state .*needs multi_device=True"):
+        eqx_kfac.kfac_jax.Optimizer(eqx.filter_value_and_grad(loss), l2_reg=0.0, shard_state=True)
 
 
 def test_a_replicated_then_a_sharded_step_of_one_loss():
@@ -171,7 +179,7 @@ def test_a_replicated_then_a_sharded_step_of_one_loss():
     `benchmarks/scale.py --quick`). The sharded step equals the single-device one (the
     replicated one draws its Fisher samples per device, so it differs from both)."""
     loss, model, batch = _problem()
-    adaptive = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    adaptive = dict(step_rule=ADAPTIVE_STEP)
 
     def run(optimizer, params):
         state = optimizer.init(params, jax.random.key(3), batch)
@@ -181,10 +189,10 @@ def test_a_replicated_then_a_sharded_step_of_one_loss():
     # The replicated step first, as in the benchmark: its trace is the first one made. On a
     # 1 x 1 mesh no value varies over a mesh axis, so only the mesh tells the traces apart.
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    replicated = run(_optimizer(loss, multi_device=True, mesh=mesh, pmap_axis_name="data", **adaptive), model)
+    replicated = run(_optimizer(loss, eqx_kfac.MultiDevice(mesh, axis_name="data"), **adaptive), model)
     placed = eqx.filter_shard(model, eqx_kfac.sharding_by_size(model, mesh))
     sharded = run(
-        _optimizer(loss, multi_device=True, mesh=mesh, pmap_axis_name="data", shard_state=True, **adaptive),
+        _optimizer(loss, eqx_kfac.MultiDevice(mesh, axis_name="data", shard_state=True), **adaptive),
         placed,
     )
     single = run(_optimizer(loss, **adaptive), model)
