@@ -128,21 +128,28 @@ def _scan_batch(width=64, n_out=10, batch=32):
     return x, jax.random.randint(jax.random.key(3), (batch,), 0, n_out)
 
 
+# The recommended rules, the damping from 1.
+ADAPTIVE = dict(damping_rule=eqx_kfac.LevenbergMarquardtDamping(1.0, minimum=1e-6, fault_increase=2.0))
+SCHEDULED = dict(
+    step_rule=eqx_kfac.MomentumStep(
+        eqx_kfac.ScheduledHyperparameter(lambda s: 0.1), eqx_kfac.ScheduledHyperparameter(lambda s: 0.0)
+    ),
+    damping_rule=eqx_kfac.ScheduledDamping(lambda s: 1e-2),
+)
+
+
 @pytest.mark.parametrize(
-    "options, expected",
+    "parts, expected",
     [
-        (dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
-              initial_damping=1.0), {"dpotrf"}),
-        (dict(learning_rate_schedule=lambda s: 0.1, momentum_schedule=lambda s: 0.0,
-              damping_schedule=lambda s: 1e-2, use_exact_inverses=True), {"dsyevd"}),
-        (dict(learning_rate_schedule=lambda s: 0.1, momentum_schedule=lambda s: 0.0,
-              damping_schedule=lambda s: 1e-2, inverse_solver=lx.Cholesky()), {"dpotrf"}),
+        (ADAPTIVE, {"dpotrf"}),
+        (dict(SCHEDULED, direction=eqx_kfac.PreconditionedGradient(exact_inverses=True)), {"dsyevd"}),
+        (dict(SCHEDULED, curvature=eqx_kfac.CurvatureOptions(inverse_solver=lx.Cholesky())), {"dpotrf"}),
     ],
     ids=["adaptive", "exact_inverses", "lineax_cholesky"],
 )
-def test_optimizer_step_of_a_scan_stack_has_no_batched_lapack(options, expected):
+def test_optimizer_step_of_a_scan_stack_has_no_batched_lapack(parts, expected):
     model, batch = _scan_model(width=8), _scan_batch(width=8)
-    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(_scan_loss), l2_reg=0.0, **options)
+    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(_scan_loss), **parts)
     state = optimizer.init(model, jax.random.key(4), batch)
     calls = lapack_calls(
         lambda p, s: optimizer.step(p, s, jax.random.key(5), batch=batch), model, state
@@ -170,9 +177,7 @@ _HUNG = textwrap.dedent(
     import eqx_kfac, test_no_deadlock as t
 
     model, batch = t._scan_model(), t._scan_batch(batch=128)
-    optimizer = eqx_kfac.Optimizer(
-        eqx.filter_value_and_grad(t._scan_loss), l2_reg=0.0, use_adaptive_learning_rate=True,
-        use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=1.0)
+    optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(t._scan_loss), **t.ADAPTIVE)
     state = optimizer.init(model, jax.random.key(0), batch)
     losses = []
     for i in range(3):
