@@ -277,7 +277,10 @@ def test_replicated_calling_convention_equals_plain_arguments(getkey):
         replicated_params, state, stats = optimizer.step(
             replicated_params, state, step_keys, batch=batch, momentum=momentum, damping=damping
         )
-        plain, plain_state, plain_stats = optimizer.step(plain, plain_state, jax.random.key(2), batch=(x, y), momentum=0.5, damping=1e-2)
+        # (Arrays, as the replicated call's are: the step is compiled once for both.)
+        plain, plain_state, plain_stats = optimizer.step(
+            plain, plain_state, jax.random.key(2), batch=(x, y), momentum=jnp.asarray(0.5), damping=jnp.asarray(1e-2)
+        )
         assert stats["loss"].shape == (4,)
         np.testing.assert_allclose(stats["loss"][0], plain_stats["loss"], rtol=1e-12)
     for a, b in zip(jax.tree.leaves(u.get_first(replicated_params)), jax.tree.leaves(plain), strict=True):

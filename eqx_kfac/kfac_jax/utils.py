@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
@@ -69,6 +70,15 @@ def _split_over_devices(x: ArrayLike, axis_name: str | None) -> jax.Array:
     return jax.device_put(x, _over_devices(axis_name))
 
 
+@functools.cache
+def _replicator(axis_name: str | None) -> Callable[[PyTree], PyTree]:
+    """One compiled program that stacks `jax.local_device_count()` copies of every leaf, one on
+    each device (one dispatch for the whole tree)."""
+    n = jax.local_device_count()
+    stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+    return jax.jit(stack, out_shardings=_over_devices(axis_name))
+
+
 def replicate_all_local_devices(obj: PyTree, axis_name: str | None = None) -> PyTree:
     """One copy of `obj` per local device, stacked along a new leading axis (kfac-jax's function).
 
@@ -81,14 +91,9 @@ def replicate_all_local_devices(obj: PyTree, axis_name: str | None = None) -> Py
 
     `obj` with a leading axis of `jax.local_device_count()` copies, one on each device.
     """
-    devices, sharding = jax.local_devices(), _over_devices(axis_name)
-
-    def replicate(x: ArrayLike) -> jax.Array:
-        x = jnp.asarray(x)[None]
-        pieces = [jax.device_put(x, d) for d in devices]
-        return jax.make_array_from_single_device_arrays((len(devices), *x.shape[1:]), sharding, pieces)
-
-    return jax.tree.map(replicate, obj)
+    if tree_is_empty(obj):
+        return obj
+    return _replicator(axis_name)(obj)
 
 
 def broadcast_all_local_devices(obj: PyTree, axis_name: str | None = None) -> PyTree:
@@ -107,19 +112,24 @@ def broadcast_all_local_devices(obj: PyTree, axis_name: str | None = None) -> Py
     return jax.tree.map(lambda x: _split_over_devices(x, axis_name), obj)
 
 
+_take = jax.jit(lambda tree, n: jax.tree.map(lambda x: x[n], tree))
+
+
 def get_device_n_contents(obj: PyTree, n: int) -> PyTree:
     """Entry `n` of the leading (device) axis of every array of `obj` (kfac-jax's function).
 
     **Arguments:**
 
-    - `obj`: a PyTree of per-device arrays (Python scalars are returned as they are).
+    - `obj`: a PyTree of per-device arrays (Python scalars and 0-d arrays are returned as they
+      are).
     - `n`: the device's index.
 
     **Returns:**
 
     The PyTree of device `n`'s values.
     """
-    return jax.tree.map(lambda x: x if isinstance(x, (int, float)) or not jnp.ndim(x) else x[n], obj)
+    arrays, rest = eqx.partition(obj, lambda x: isinstance(x, jax.Array) and x.ndim > 0)
+    return eqx.combine(_take(arrays, n), rest)
 
 
 def get_first(obj: PyTree) -> PyTree:
