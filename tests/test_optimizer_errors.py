@@ -105,7 +105,8 @@ def test_values_for_adapted_or_scheduled_quantities(opt_and_state):
     adaptive = Optimizer(
         VG, **{**GIVEN, "step_rule": eqx_kfac.MomentumStep(eqx_kfac.AdaptiveHyperparameter())}
     )
-    with pytest.raises(ValueError, match="so do not pass learning_rate= to step .it is adapted"):
+    adapted = r"learning_rate is adapted \(AdaptiveHyperparameter; kfac_jax: use_adaptive_learning_rate=True\)"
+    with pytest.raises(ValueError, match=adapted + ", so do not pass learning_rate= to step"):
         adaptive.step(PROBLEM.params, state, jax.random.key(0), batch=BATCH, **FIXED)
     scheduled = Optimizer(VG, **{**GIVEN, "damping_rule": eqx_kfac.ScheduledDamping(lambda s: 0.1)})
     with pytest.raises(ValueError, match="so do not pass damping= to step as well"):

@@ -74,8 +74,8 @@ def check_mesh(mesh: Mesh, axis_name: Hashable) -> None:
     if axis_name not in mesh.axis_names:
         raise ValueError(
             f"The mesh has axes {tuple(mesh.axis_names)} but the batch is split over "
-            f"pmap_axis_name={axis_name!r}; name the mesh's data axis {axis_name!r} or pass "
-            "pmap_axis_name= equal to it."
+            f"the data axis {axis_name!r} (MultiDevice's axis_name, kfac_jax's pmap_axis_name); "
+            f"name the mesh's data axis {axis_name!r} or pass an axis_name equal to it."
         )
 
 

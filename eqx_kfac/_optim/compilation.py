@@ -126,11 +126,12 @@ def initial_state(
 
 # The parts of the state, and the options that shape each.
 _STATE_PARTS = {
-    "estimator_state": "curvature blocks or their caches (use_exact_inverses, inverse_solver, "
-                       "layer_tag_to_block_ctor / index_to_block_ctor, the refresh schedule)",
+    "estimator_state": "curvature blocks or their caches (PreconditionedGradient's exact_inverses, "
+                       "CurvatureOptions' inverse_solver and layer_tag_to_block_ctor / "
+                       "index_to_block_ctor, the refresh schedule)",
     "direction_state": "directions (direction=, e.g. EigenbasisAdam's moments)",
-    "step_rule_state": "step rules (the momentum, adaptive learning rate or momentum, step_rule=)",
-    "damping_state": "damping rules (use_adaptive_damping, damping_rule=)",
+    "step_rule_state": "step rules (step_rule=: the momentum, an adapted learning rate or momentum)",
+    "damping_state": "damping rules (damping_rule=; kfac_jax: use_adaptive_damping)",
     "guard_state": "step guards (guard=)",
 }
 

@@ -275,7 +275,8 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     def check(self, given):
         if given.damping is not None:
             raise ValueError(
-                "use_adaptive_damping=True, so do not pass damping= to step (it is adapted)."
+                "The damping is adapted (LevenbergMarquardtDamping; kfac_jax: use_adaptive_damping=True), "
+                "so do not pass damping= to step."
             )
 
     def _adapt(

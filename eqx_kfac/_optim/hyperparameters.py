@@ -106,8 +106,10 @@ class GivenHyperparameter(AbstractHyperparameter):
     def check(self, given, name):
         if given is None:
             raise ValueError(
-                f"Missing {name}: with use_adaptive_{name}=False and no {name}_schedule, pass "
-                f"{name}= to step (or set use_adaptive_{name}=True, or give a {name}_schedule)."
+                f"Missing {name}: it is given at each step (GivenHyperparameter; kfac_jax.Optimizer "
+                f"with use_adaptive_{name}=False and no {name}_schedule), so pass {name}= to step, "
+                f"or build the step rule with an AdaptiveHyperparameter or ScheduledHyperparameter "
+                f"for it (kfac_jax: use_adaptive_{name}=True or a {name}_schedule)."
             )
 
 
@@ -128,7 +130,8 @@ class ScheduledHyperparameter(AbstractHyperparameter):
     def check(self, given, name):
         if given is not None:
             raise ValueError(
-                f"A {name}_schedule was given to the optimizer, so do not pass {name}= to step as "
+                f"The {name} is scheduled (ScheduledHyperparameter; kfac_jax: {name}_schedule), so do "
+                f"not pass {name}= to step as "
                 "well."
             )
 
@@ -158,4 +161,7 @@ class AdaptiveHyperparameter(AbstractHyperparameter):
 
     def check(self, given, name):
         if given is not None:
-            raise ValueError(f"use_adaptive_{name}=True, so do not pass {name}= to step (it is adapted).")
+            raise ValueError(
+                f"The {name} is adapted (AdaptiveHyperparameter; kfac_jax: use_adaptive_{name}=True), "
+                f"so do not pass {name}= to step."
+            )
