@@ -24,6 +24,9 @@ What it does, in order:
 
 import argparse
 import importlib
+import logging
+import math
+import statistics
 import pathlib
 import shutil
 import sys
@@ -109,6 +112,18 @@ def _config(atom: str, iterations: int, save_path: str):
     return cfg.lock() if hasattr(cfg, "lock") else cfg
 
 
+class _StepTimes(logging.Handler):
+    """The times at which FermiNet logs its iterations (`Step 00001: ...`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.times: list[float] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Step "):
+            self.times.append(record.created)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ferminet", type=pathlib.Path, required=True, help="a FermiNet checkout")
@@ -129,13 +144,21 @@ def main() -> None:
     train, change = _import_train(args.ferminet)
     from ferminet.configs import atom as atom_config
 
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.INFO)  # FermiNet logs each iteration at INFO
+    steps = _StepTimes()
+    logging.getLogger().addHandler(steps)  # absl's records propagate to the root logger
     with tempfile.TemporaryDirectory() as save_path:
         cfg = atom_config.adjust_nuclear_charge(_config(args.atom, args.iterations, save_path))
         start = time.perf_counter()
         train.train(cfg)
         elapsed = time.perf_counter() - start
         stats = (pathlib.Path(save_path) / "train_stats.csv").read_text().splitlines()
-    print(f"FermiNet ({change}) on {args.atom}: {args.iterations} iterations in {elapsed:.1f} s")
+    intervals = [b - a for a, b in zip(steps.times, steps.times[1:])]
+    print(f"FermiNet ({change}) on {args.atom} ({jax.local_device_count()} devices): {args.iterations} "
+          f"iterations in {elapsed:.1f} s; median iteration after the first "
+          f"{statistics.median(intervals[1:] or intervals or [math.nan]):.3f} s")
     print("\n".join(stats[:3] + ["..."] + stats[-3:]))
 
 
