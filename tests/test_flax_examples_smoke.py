@@ -1,0 +1,52 @@
+"""Smoke test of `benchmarks/flax_examples` (`--quick`): two examples train with both K-FAC forms
+and their config's optimizer, and the record holds what the docs page's table is made of."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("sklearn")
+
+from benchmarks.flax_examples import run  # noqa: E402
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    path = tmp_path_factory.mktemp("flax_examples") / "quick.json"
+    assert run.main(["--quick", "--examples", "mnist", "vae", "--steps", str(STEPS), "--save", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("name", ["mnist", "vae"])
+def test_every_method_trains_from_the_same_start(record, name):
+    example = record["examples"][name]
+    methods = example["methods"]
+    assert set(methods) == {"Optimizer", "kfac_optax", example["baseline"]}
+    for method in methods.values():
+        assert len(method["losses"]) == STEPS and np.all(np.isfinite(method["losses"]))
+        assert method["ms_per_step"] > 0 and method["first_call_s"] > 0
+    # Step 0's loss is the initial parameters' loss on the first batch (and, for the VAE, the
+    # step's key; `Optimizer` draws its loss's key from it, the optax steps pass it on).
+    same = ["kfac_optax", example["baseline"]] + (["Optimizer"] if name == "mnist" else [])
+    firsts = [methods[m]["losses"][0] for m in same]
+    np.testing.assert_allclose(firsts, firsts[0], rtol=1e-3)
+    # The target is the baseline's final loss: its mean over the last (here: all) steps.
+    np.testing.assert_allclose(example["target"], np.mean(methods[example["baseline"]]["losses"]), rtol=1e-3)
+    assert len(methods["Optimizer"]["damping"]) == len(methods["Optimizer"]["learning_rate"]) == STEPS
+
+
+def test_table_has_a_row_per_example(record):
+    steps_table, _, trajectories = record["table"].split("\n\n")[:3]
+    for text in (steps_table, trajectories):
+        assert [row.split(" | ")[0] for row in text.splitlines()[2:]] == ["| mnist", "| vae"]
+
+
+def test_ogbg_without_jraph_is_skipped_with_the_install_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run.importlib.util, "find_spec", lambda name: None)
+    assert run.main(["--quick", "--examples", "ogbg", "--save", str(tmp_path / "none.json")]) == 0
+    assert run.MISSING_JRAPH in capsys.readouterr().out
+    assert json.loads((tmp_path / "none.json").read_text())["examples"] == {}
