@@ -96,7 +96,8 @@ _FAULTS_MESSAGE = (
     "batches for NaN or Inf (an empty batch gives a NaN loss) and for invalid labels (give such "
     "examples mask=0 in the register_* call, or drop them), the model's numerics (overflow in "
     "float16/bfloat16), the learning rate and its schedule, the loss's scale and the damping "
-    "(raise initial_damping / min_damping); stats['skipped'], stats['invalid_targets'] and "
+    "(raise LevenbergMarquardtDamping's initial_damping / minimum; kfac_jax: initial_damping / "
+    "min_damping); stats['skipped'], stats['invalid_targets'] and "
     "stats['rejected'] (Optimizer), or the optimizer state's "
     "guard_state (kfac_optax, skip_non_finite), show which. Rejected steps in a row are also what "
     "a run on one fixed batch can do once it has converged, when its loss is near zero and rounds "
@@ -124,8 +125,9 @@ _BEFORE = {
     (True, False): "Step rejection is off, so before these steps an update that was finite but "
     "raised the loss (e.g. a learning rate far too large at one step) was applied as it was: the "
     "parameters may have been damaged before the first of them (a loss that is NaN from some step "
-    "on is the sign). Pass use_step_rejection=True (Optimizer, kfac_optax; one more evaluation of "
-    "the loss per step) to reject such updates.",
+    "on is the sign). Build the guard with StepGuard(reject_loss_increase=True) (Optimizer's "
+    "guard=; kfac_optax(use_step_rejection=True); one more evaluation of the loss per step) to "
+    "reject such updates.",
     (False, True): "skip_non_finite is off: updates that were not finite were applied, and the "
     "parameters may hold NaN or Inf.",
     (False, False): "skip_non_finite and step rejection are off: every update was applied as it "
@@ -134,9 +136,9 @@ _BEFORE = {
 
 _IN_JIT = (
     " (Inside jit this message cannot name the first step of the run: it is "
-    "`guard_state.fault_start` of the state this step was given; or pass "
-    "max_consecutive_faults=None and call eqx_kfac.check_consecutive_faults on the state after "
-    "each step, which names it.)"
+    "`guard_state.fault_start` of the state this step was given; or leave stop_in_program off and "
+    "call Optimizer.check(state) or eqx_kfac.check_consecutive_faults(state) after each step, "
+    "which names it.)"
 )
 
 _STALL_MESSAGE = (
@@ -158,8 +160,8 @@ _STALL_CAUSES = (
     "registered losses (register_*_loss) as it was while its gradient shrinks by the factor, so "
     "every step shrinks by it too (and the damping, being absolute, swamps a curvature scaled "
     "down with the loss). Remove the factor, or register the losses with weight= the same factor "
-    "and scale the damping (initial_damping and min_damping; kfac_optax's damping) with it; or "
-    "raise the learning rate. A learning-rate schedule that decays to about zero, or a run that "
+    "and scale the damping (LevenbergMarquardtDamping's initial_damping and minimum; "
+    "kfac_optax's damping) with it; or raise the learning rate. A learning-rate schedule that decays to about zero, or a run that "
     "has converged, gets here too.",
 )
 
@@ -388,13 +390,13 @@ def check_consecutive_faults(
     """Raises `RuntimeError` when a step guard in `state` counts `max_consecutive_faults` or more
     steps in a row that were not applied (naming the first of them), or `max_consecutive_stalls`
     or more applied steps in a row that left the parameters as they were (naming the cause): the
-    checks that `kfac_optax` (and `skip_non_finite`) compile into your step by default, made in
-    Python instead.
+    checks that a directly called `Optimizer.step` or `kfac_optax` update makes itself.
 
-    With `kfac_optax(..., max_consecutive_faults=None)` your jitted step holds no host callback,
-    so JAX's persistent compilation cache (`eqx_kfac.enable_compilation_cache`) can store it; call
-    this on the optimizer state after each step so that a run still never skips, or stalls, for
-    ever in silence. Reading the counts waits for the step that computed them.
+    Inside your own `jit` the step holds no host callback (unless its guard has
+    `stop_in_program=True`), so `jax.export` and JAX's persistent compilation cache
+    (`eqx_kfac.enable_compilation_cache`) take it: call this on the optimizer state after each
+    step so that a run still never skips, or stalls, for ever in silence. Reading the counts waits
+    for the step that computed them.
 
     **Arguments:**
 
