@@ -31,6 +31,6 @@ last 10 steps); a method reaches it at the first step whose 10-step mean is at o
 Seconds *from the first call* count building the optimizer, tracing and compiling the first step
 and every step and batch after it; *compiled* seconds count the steps only. The table gives those
 for `Optimizer` / `kfac_optax` / the baseline, and the K-FAC forms' median compiled step and first
-call over the baseline's. The JSON record (`--save`) keeps every run's losses and step times and
-the learning-rate, momentum and damping trajectories of `Optimizer`.
+call over the baseline's. The JSON record (`--save`) keeps every run's losses, its median step and
+first call by stage, and the learning-rate, momentum and damping trajectories of `Optimizer`.
 """

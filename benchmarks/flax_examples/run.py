@@ -61,9 +61,9 @@ def run_example(name: str, steps: int, quick: bool) -> tuple[Outcome, Example]:
     return Outcome(name, steps, grids, {"kfac": [kfac], "recipe": [recipe], base: [best(grid)]}), example
 
 
-def _cell(values: Sequence[Any]) -> str:
-    return " / ".join("-" if v is None or not np.isfinite(v) else (f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}")
-                      for v in values)
+def _cell(values: Sequence[float | None], spec: str) -> str:
+    """The values formatted by `spec`, joined by ` / ` (`-`: never reached)."""
+    return " / ".join("-" if v is None else format(v, spec) for v in values)
 
 
 def table(outcomes: Sequence[Outcome], examples: dict[str, Example]) -> str:
@@ -84,9 +84,8 @@ def table(outcomes: Sequence[Outcome], examples: dict[str, Example]) -> str:
         step = [outcome.seeds[m][0].ms_per_step / base.ms_per_step for m in order[:2]]
         first = [outcome.seeds[m][0].first_call.total / base.first_call.total for m in order[:2]]
         lines.append(
-            f"| {outcome.problem} | {base.label} | {_cell(get('steps'))} | {_cell(get('wall'))} "
-            f"| {_cell(get('compiled'))} | {' / '.join(f'{r:.1f}' for r in step)} "
-            f"| {' / '.join(f'{r:.1f}' for r in first)} |"
+            f"| {outcome.problem} | {base.label} | {_cell(get('steps'), '.0f')} | {_cell(get('wall'), '.1f')} "
+            f"| {_cell(get('compiled'), '.2f')} | {_cell(step, '.1f')} | {_cell(first, '.1f')} |"
         )
     return "\n".join(lines)
 
@@ -134,7 +133,7 @@ def _run_record(run: Run, target: float) -> dict[str, Any]:
         "label": run.label, "final_loss": run.final_loss(WINDOW), "ms_per_step": run.ms_per_step,
         "first_call": dataclasses.asdict(run.first_call), "first_call_s": run.first_call.total,
         "reach": None if reach is None else dataclasses.asdict(reach),
-        "losses": _series(run.losses), "step_ms": _series(run.times * 1e3),
+        "losses": _series(run.losses),
     }
     record.update({k: _series(run.stats[k]) for k in ("learning_rate", "damping", "momentum") if k in run.stats})
     return record
@@ -142,8 +141,8 @@ def _run_record(run: Run, target: float) -> dict[str, Any]:
 
 def record(outcome: Outcome, example: Example) -> dict[str, Any]:
     """The JSON record of one example: what it is, the target, the ladder's final losses, and per
-    method its final loss, step and first-call times, reach, losses (and for `Optimizer` its
-    learning-rate, momentum and damping trajectories)."""
+    method its final loss, median step and first call (by stage), reach, every step's loss (and for
+    `Optimizer` its learning-rate, momentum and damping trajectories)."""
     target = outcome.target(0)
     base = example.baseline.name
     return {
@@ -177,7 +176,8 @@ def save(path: str, outcomes: Sequence[Outcome], examples: dict[str, Example], n
     records = {o.problem: record(o, examples[o.problem]) for o in outcomes}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as file:
-        json.dump({"command": " ".join(sys.argv), "table": text, "examples": records}, file, indent=1)
+        content = {"command": " ".join(sys.argv), "table": text, "examples": records}
+        json.dump(content, file, separators=(",", ":"))
     return text
 
 
