@@ -122,18 +122,12 @@ def _per_step(step: Callable[[], object], steps: int) -> Callable[[], object]:
     return run
 
 
-def resnet_tables(rounds: int, steps: int = 5) -> None:
-    problem = resnet.problem(jax.random.key(0), batch_size=128)
+def _training_steps(problem, optimizer, batch, steps: int) -> dict[str, Callable[[], object]]:
+    """K-FAC's and Adam's steps on `batch` (learning rate, momentum and damping given to K-FAC),
+    each `steps` calls."""
     model, func_state = problem.model, problem.func_state
-    batch = problem.next_batch(model, 0, None, None)
-    value_and_grad = eqx.filter_value_and_grad(resnet.loss, has_aux=True)
-    # The learning rate, momentum and damping passed to every step.
-    optimizer = eqx_kfac.Optimizer(
-        value_and_grad, value_func_has_state=True, step_rule=eqx_kfac.MomentumStep(),
-        damping_rule=eqx_kfac.GivenDamping(), refresh=eqx_kfac.RefreshSchedule(inverse_update_period=steps),
-    )
+    value_and_grad = optimizer.function.value_and_grad
     hyper = dict(learning_rate=1e-3, momentum=0.9, damping=1e-2)
-    params = eqx.filter(model, eqx.is_inexact_array)
     adam = optax.adam(1e-3)
 
     @eqx.filter_jit
@@ -143,7 +137,7 @@ def resnet_tables(rounds: int, steps: int = 5) -> None:
         return eqx.apply_updates(model, updates), opt_state, func_state
 
     kfac = [model, optimizer.init(model, jax.random.key(1), batch, func_state=func_state), func_state]
-    plain = [model, adam.init(params), func_state]
+    plain = [model, adam.init(eqx.filter(model, eqx.is_inexact_array)), func_state]
     keys = iter(jax.random.split(jax.random.key(2), 10**5))
 
     def kfac_step():
@@ -154,9 +148,11 @@ def resnet_tables(rounds: int, steps: int = 5) -> None:
         plain[:] = adam_step(*plain, batch)
         return plain[0]
 
-    # The conv blocks alone, on random data of their layers' shapes (timing is data-independent).
-    estimator, _ = optimizer.estimators((model, func_state, batch))
-    convs = [b for b in estimator.blocks if isinstance(b, eqx_kfac.Conv2DTwoKroneckerFactored)]
+    return {"K-FAC step": _per_step(kfac_step, steps), "Adam step": _per_step(adam_step_, steps)}
+
+
+def _conv_data(convs: list) -> list:
+    """Random `EstimationData` of each conv block's shapes (timing is data-independent)."""
     data = []
     for i, block in enumerate(convs):
         k = jax.random.split(jax.random.key(10 + i), 4)
@@ -170,45 +166,48 @@ def resnet_tables(rounds: int, steps: int = 5) -> None:
                 params_tangent=tuple(jnp.zeros((1, *s), jnp.float32) for s in spec.param_shapes),
             )
         )
+    return data
+
+
+def _conv_parts(convs: list, steps: int) -> dict[str, Callable[[], object]]:
+    """The conv blocks alone: statistics, input factors, preconditioning and cache refresh."""
+    data = _conv_data(convs)
     damping = jnp.asarray(1e-2, jnp.float32)
-    states = [b.init(jax.random.key(0), None, (-1,)) for b in convs]
 
     @eqx.filter_jit
     def conv_statistics(states, data):
-        return [
-            b.update_curvature_matrix_estimate(s, d, 0.95, 1.0, 128)
-            for b, s, d in zip(convs, states, data)
-        ]
+        return [b.update_curvature_matrix_estimate(s, d, 0.95, 1.0, 128) for b, s, d in zip(convs, states, data)]
 
     @eqx.filter_jit
     def conv_input_factors(data):
         return [_input_moments(b.spec, d.inputs[0]) for b, d in zip(convs, data)]
 
-    states = conv_statistics(states, data)
-
     @eqx.filter_jit
     def conv_refresh(states):
         return [b.update_cache(s, damping, None, (-1,)) for b, s in zip(convs, states)]
 
-    states = conv_refresh(states)
-    vectors = [tuple(jnp.ones(s, jnp.float32) for s in b.spec.param_shapes) for b in convs]
-
     @eqx.filter_jit
     def conv_preconditioning(states, vectors):
-        return [
-            b.multiply_matpower(s, v, damping, -1, False, True)
-            for b, s, v in zip(convs, states, vectors)
-        ]
+        return [b.multiply_matpower(s, v, damping, -1, False, True) for b, s, v in zip(convs, states, vectors)]
 
+    states = conv_refresh(conv_statistics([b.init(jax.random.key(0), None, (-1,)) for b in convs], data))
+    vectors = [tuple(jnp.ones(s, jnp.float32) for s in b.spec.param_shapes) for b in convs]
+    return {
+        "conv blocks: statistics (A and G)": lambda: conv_statistics(states, data),
+        "conv blocks: A (patches_moments)": lambda: conv_input_factors(data),
+        "conv blocks: preconditioning": lambda: conv_preconditioning(states, vectors),
+        f"conv blocks: cache refresh / {steps}": lambda: conv_refresh(states),
+    }
+
+
+def _estimator_parts(estimator, value_and_grad, func_args) -> dict[str, Callable[[], object]]:
+    """The gradient and the curvature statistics of all blocks (also in a one-trip loop)."""
     estimator_state = estimator.init(jax.random.key(0), None, (-1,))
-    func_args = (model, func_state, batch)
 
     @eqx.filter_jit
     def statistics(state, func_args, trips):
         def update(_, state):
-            return estimator.update_curvature_matrix_estimate(
-                state, 0.95, 1.0, 128, jax.random.key(3), func_args
-            )
+            return estimator.update_curvature_matrix_estimate(state, 0.95, 1.0, 128, jax.random.key(3), func_args)
 
         if trips is None:
             return update(0, state)
@@ -216,43 +215,53 @@ def resnet_tables(rounds: int, steps: int = 5) -> None:
 
     gradient = eqx.filter_jit(lambda args: value_and_grad(*args))
     one_trip = jnp.asarray(1)
-    parts = {
-        "K-FAC step": _per_step(kfac_step, steps),
-        "Adam step": _per_step(adam_step_, steps),
+    return {
         "gradient (value_and_grad)": lambda: gradient(func_args),
         "curvature statistics, all blocks": lambda: statistics(estimator_state, func_args, None),
-        "  the same in a one-trip fori_loop": lambda: statistics(
-            estimator_state, func_args, one_trip
-        ),
-        "conv blocks: statistics (A and G)": lambda: conv_statistics(states, data),
-        "conv blocks: A (patches_moments)": lambda: conv_input_factors(data),
-        "conv blocks: preconditioning": lambda: conv_preconditioning(states, vectors),
-        f"conv blocks: cache refresh / {steps}": lambda: conv_refresh(states),
+        "  the same in a one-trip fori_loop": lambda: statistics(estimator_state, func_args, one_trip),
     }
-    times = alternated(parts, rounds)
-    times["K-FAC step"] /= steps
-    times["Adam step"] /= steps
-    times[f"conv blocks: cache refresh / {steps}"] /= steps
+
+
+def _print_resnet_table(times: dict[str, float], convs: int, rounds: int, steps: int) -> None:
     step = times["K-FAC step"]
     print(
-        f"\nResNet (batch 128), {len(convs)} conv blocks; K-FAC with learning rate, momentum and "
+        f"\nResNet (batch 128), {convs} conv blocks; K-FAC with learning rate, momentum and "
         f"damping given, inverse_update_period={steps}; minimum over {rounds} alternated rounds"
     )
     print(f"{'part':<38} {'ms':>8} {'/ K-FAC step':>13} {'/ Adam step':>12}")
     for name, t in times.items():
         print(f"{name:<38} {t * 1e3:>8.2f} {t / step:>13.2f} {t / times['Adam step']:>12.2f}")
-    conv_share = sum(
-        times[name]
-        for name in (
-            "conv blocks: statistics (A and G)",
-            "conv blocks: preconditioning",
-            f"conv blocks: cache refresh / {steps}",
-        )
-    )
+    conv_names = ("conv blocks: statistics (A and G)", "conv blocks: preconditioning", f"conv blocks: cache refresh / {steps}")
+    conv_share = sum(times[name] for name in conv_names)
     print(
         f"K-FAC step / Adam step: {step / times['Adam step']:.2f}; conv blocks' share of the "
         f"K-FAC step: {conv_share / step:.0%}"
     )
+
+
+def resnet_tables(rounds: int, steps: int = 5) -> None:
+    """The ResNet's K-FAC step against Adam's, and the parts of the step, alternated."""
+    problem = resnet.problem(jax.random.key(0), batch_size=128)
+    model, func_state = problem.model, problem.func_state
+    batch = problem.next_batch(model, 0, None, None)
+    value_and_grad = eqx.filter_value_and_grad(resnet.loss, has_aux=True)
+    # The learning rate, momentum and damping passed to every step.
+    optimizer = eqx_kfac.Optimizer(
+        value_and_grad, value_func_has_state=True, step_rule=eqx_kfac.MomentumStep(),
+        damping_rule=eqx_kfac.GivenDamping(), refresh=eqx_kfac.RefreshSchedule(inverse_update_period=steps),
+    )
+    func_args = (model, func_state, batch)
+    estimator, _ = optimizer.estimators(func_args)
+    convs = [b for b in estimator.blocks if isinstance(b, eqx_kfac.Conv2DTwoKroneckerFactored)]
+    parts = {
+        **_training_steps(problem, optimizer, batch, steps),
+        **_estimator_parts(estimator, value_and_grad, func_args),
+        **_conv_parts(convs, steps),
+    }
+    times = alternated(parts, rounds)
+    for name in ("K-FAC step", "Adam step", f"conv blocks: cache refresh / {steps}"):
+        times[name] /= steps
+    _print_resnet_table(times, len(convs), rounds, steps)
 
 
 def main() -> None:

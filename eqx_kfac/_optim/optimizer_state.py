@@ -135,10 +135,9 @@ def new_state(
 
 # What differs when a state does not fit an optimizer, for its messages.
 OTHER_CONFIGURATION = (
-    "an optimizer of another configuration (e.g. exact inverses, the blocks chosen by "
-    "layer_tag_to_block_ctor / index_to_block_ctor, the direction, the step rule or the damping "
-    "rule) "
-    "or for other parameters or batch"
+    "an optimizer of another configuration (e.g. PreconditionedGradient's exact_inverses, the "
+    "blocks chosen by layer_tag_to_block_ctor / index_to_block_ctor, the direction, the step rule "
+    "or the damping rule) or for other parameters or batch"
 )
 
 
