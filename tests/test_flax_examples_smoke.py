@@ -1,4 +1,4 @@
-"""Smoke test of `benchmarks/flax_examples` (`--quick`): two examples train with both K-FAC forms
+"""Smoke test of `benchmarks/flax_examples` (`--quick`): one example (the suite's time) trains with both K-FAC forms
 and their config's optimizer, and the record holds what the docs page's table is made of."""
 
 import json
@@ -17,11 +17,11 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     path = tmp_path_factory.mktemp("flax_examples") / "quick.json"
-    assert run.main(["--quick", "--examples", "mnist", "vae", "--steps", str(STEPS), "--save", str(path)]) == 0
+    assert run.main(["--quick", "--examples", "mnist", "--steps", str(STEPS), "--save", str(path)]) == 0
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("name", ["mnist", "vae"])
+@pytest.mark.parametrize("name", ["mnist"])
 def test_every_method_trains_from_the_same_start(record, name):
     example = record["examples"][name]
     methods = example["methods"]
@@ -42,7 +42,7 @@ def test_every_method_trains_from_the_same_start(record, name):
 def test_table_has_a_row_per_example(record):
     steps_table, _, trajectories = record["table"].split("\n\n")[:3]
     for text in (steps_table, trajectories):
-        assert [row.split(" | ")[0] for row in text.splitlines()[2:]] == ["| mnist", "| vae"]
+        assert [row.split(" | ")[0] for row in text.splitlines()[2:]] == ["| mnist"]
 
 
 def test_ogbg_without_jraph_is_skipped_with_the_install_line(tmp_path, monkeypatch, capsys):
