@@ -1,7 +1,8 @@
-"""The parts of `kfac_preconditioner` and `kfac_optax` (`curvature=`, `refresh=`, `direction=`):
-given directly, or built from the keywords they replace (giving both raises `ValueError`)."""
+"""A part given directly or built from the keywords it replaces (giving both raises `ValueError`):
+`given_or_built`, shared by `eqx_kfac.kfac_jax.Optimizer`; and the parts of `kfac_preconditioner`
+and `kfac_optax` (`curvature=`, `refresh=`, `direction=`)."""
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -32,15 +33,57 @@ PART_KEYWORDS: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def _given(value: Any, default: Any) -> bool:
+def keyword_given(value: Any, default: Any) -> bool:
     """Whether a keyword was given: its value is not its default (an array, which has no single
-    truth value, counts as given)."""
+    truth value, counts as given).
+
+    **Arguments:**
+
+    - `value`: the keyword's value.
+    - `default`: its default.
+
+    **Returns:**
+
+    `True` when given.
+    """
     if value is default:
         return False
     try:
         return not bool(value == default)
     except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
         return True
+
+
+def given_or_built(
+    who: str, part: str, given: Any, keywords: Mapping[str, Any], defaults: Mapping[str, Any],
+    build: Callable[[], Any],
+) -> Any:
+    """A part given directly, or built from the keywords it replaces (`build()`); a part given
+    together with one of those keywords raises `ValueError` naming them. `kfac_preconditioner`,
+    `kfac_optax` and `eqx_kfac.kfac_jax.Optimizer` share it.
+
+    **Arguments:**
+
+    - `who`: the caller's name, for the error.
+    - `part`: the part's keyword (e.g. `"refresh"`).
+    - `given`: the part given directly, or `None`.
+    - `keywords`: the caller's keyword values by name (at least those of `defaults`).
+    - `defaults`: the keywords the part replaces, with their defaults.
+    - `build`: builds the part from the keywords.
+
+    **Returns:**
+
+    The part.
+    """
+    if given is None:
+        return build()
+    changed = [name for name, default in defaults.items() if keyword_given(keywords[name], default)]
+    if changed:
+        raise ValueError(
+            f"{who} got {part}= and the keywords {changed}, which that part replaces; pass "
+            f"them to the {type(given).__name__} instead (or drop {part}=)."
+        )
+    return given
 
 
 def _built_part(part: str, k: Mapping[str, Any], who: str) -> Any:
@@ -72,17 +115,11 @@ def preconditioner_from_keywords(
 
     The `Preconditioner`.
     """
-    parts = {}
-    for part, names in PART_KEYWORDS.items():
-        given = keywords[part]
-        if given is None:
-            parts[part] = _built_part(part, keywords, who)
-            continue
-        changed = [name for name in names if _given(keywords[name], defaults[name])]
-        if changed:
-            raise ValueError(
-                f"{who} got {part}= and the keywords {changed}, which that part replaces; pass "
-                f"them to the {type(given).__name__} instead (or drop {part}=)."
-            )
-        parts[part] = given
+    parts = {
+        part: given_or_built(
+            who, part, keywords[part], keywords, {name: defaults[name] for name in names},
+            lambda part=part: _built_part(part, keywords, who),
+        )
+        for part, names in PART_KEYWORDS.items()
+    }
     return Preconditioner(**parts)

@@ -21,6 +21,7 @@ from .curvature_blocks import check_block_ctors
 from .._optim.damping import AbstractDampingRule, GivenDamping, LevenbergMarquardtDamping, ScheduledDamping
 from .._optim.direction import AbstractDirection, PreconditionedGradient
 from .._optim.guard import StepGuard
+from .._optim.optax_parts import given_or_built
 from .._optim.hyperparameters import (
     AbstractHyperparameter,
     AdaptiveHyperparameter,
@@ -67,11 +68,6 @@ class Parts(NamedTuple):
     direction: AbstractDirection
     refresh: AbstractRefreshSchedule
     guard: StepGuard
-
-
-def _changed(part: str, keywords: Mapping[str, Any]) -> list[str]:
-    defaults = KEYWORDS[part]
-    return [n for n in defaults if keywords[n] is not defaults[n] and keywords[n] != defaults[n]]
 
 
 def _source(adaptive: bool, schedule: Any, bounds: tuple[float, float] | None, name: str) -> AbstractHyperparameter:
@@ -179,19 +175,15 @@ def parts_from_keywords(keywords: Mapping[str, Any], given: Mapping[str, Any]) -
     """
     parts = {}
     for part, build in _BUILDERS.items():
-        if given[part] is None:
-            try:
-                parts[part] = build(keywords)
-            except ValueError as error:
-                raise _in_keywords(part, error) from None
-            continue
-        changed = _changed(part, keywords)
-        if changed:
-            raise ValueError(
-                f"kfac_jax.Optimizer got {part}= and the keywords {changed}, which that part replaces; pass "
-                f"them to the {type(given[part]).__name__} instead (or drop {part}=)."
+        try:
+            parts[part] = given_or_built(
+                "kfac_jax.Optimizer", part, given[part], keywords, KEYWORDS[part],
+                lambda build=build: build(keywords),
             )
-        parts[part] = given[part]
+        except ValueError as error:
+            if given[part] is not None:
+                raise
+            raise _in_keywords(part, error) from None
     return Parts(**parts)
 
 
