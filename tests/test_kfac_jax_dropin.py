@@ -2,7 +2,8 @@
 but for the import (its optimizer equal, part by part, to `eqx_kfac.Optimizer` built from the
 parts kfac-jax's keywords name), the pmap helpers of `kfac_jax.utils` on the 4 host CPU devices, the replicated calling
 convention of the multi-device optimizer, kfac-jax HEAD's constructor keywords, FermiNet's
-graph-matcher names, and kfac-jax-style blocks refused at registration."""
+graph-matcher names, and the kfac-jax-style blocks that cannot be adapted refused at
+registration (tests/test_kfac_jax_blocks.py: those that can)."""
 
 import functools
 import inspect
@@ -328,35 +329,42 @@ def test_ferminet_graph_matcher_names(getkey):
     assert tagged.spec.get("variant") == "qmc"
 
 
-class RepeatedDenseBlock(kfac_jax.DenseTwoKroneckerFactored):
-    """FermiNet's block (its methods' signatures; bodies elided): kfac-jax's block interface."""
+class SyncedBlock(kfac_jax.DenseTwoKroneckerFactored):
+    """A kfac-jax-style block that syncs its own state: not adapted."""
 
-    def fixed_scale(self):
-        return 1.0
-
-    def update_curvature_matrix_estimate(self, state, estimation_data, ema_old, ema_new, identity_weight, batch_size):
+    def sync(self, state, pmap_axis_name):
         return state
 
 
-class QmcBlockedDense(kfac_jax.KroneckerFactored):
-    """FermiNet's other block, by its kfac-jax methods."""
+class PartialBlock(kfac_jax.CurvatureBlock):
+    """kfac-jax's abstract base with only some of its abstract methods written: not adapted."""
 
-    def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues) -> kfac_jax.KroneckerFactored.State:
-        raise AssertionError("never called")
-
-    def multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached):
+    def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
         raise AssertionError("never called")
 
 
-def test_kfac_jax_style_blocks_are_refused_at_registration():
-    with pytest.raises(TypeError, match=r"RepeatedDenseBlock\.fixed_scale.*drop this registration"):
-        kfac_jax.set_default_tag_to_block_ctor("repeated_dense", RepeatedDenseBlock)
-    with pytest.raises(TypeError, match=r"QmcBlockedDense\._init.*Write it as an eqx_kfac block"):
-        kfac_jax.set_default_tag_to_block_ctor("qmc", QmcBlockedDense)
+class ScaledDiagonal(kfac_jax.Diagonal):
+    """An eqx_kfac family (kfac_jax.Diagonal is eqx_kfac's) with kfac-jax's methods: refused."""
+
+    def fixed_scale(self):
+        return 2.0
+
+
+def test_blocks_that_cannot_be_adapted_are_refused_at_registration():
+    with pytest.raises(TypeError, match=r"SyncedBlock\.sync is not adapted"):
+        kfac_jax.set_default_tag_to_block_ctor("synced", SyncedBlock)
+    with pytest.raises(TypeError, match=r"does not implement kfac-jax's .*_multiply_matpower_unscaled.*subclass kfac_jax.KroneckerFactored"):
+        kfac_jax.set_default_tag_to_block_ctor("partial", PartialBlock)
+    with pytest.raises(TypeError, match=r"subclasses eqx_kfac's Diagonal.*ScaledDiagonal\.fixed_scale.*Subclass kfac_jax.KroneckerFactored"):
+        kfac_jax.Optimizer(jax.value_and_grad(_loss), 0.0, layer_tag_to_block_ctor={"dense": ScaledDiagonal})
+    with pytest.raises(ValueError, match="No default block for tag 'synced'"):
+        kfac_jax.get_default_tag_to_block_ctor("synced")
+    # kfac-jax's bases, given as blocks, are eqx_kfac's.
     assert kfac_jax.get_default_tag_to_block_ctor("dense") is eqx_kfac.DenseTwoKroneckerFactored
-    with pytest.raises(TypeError, match="registered for 'dense'"):
-        kfac_jax.Optimizer(jax.value_and_grad(_loss), 0.0, layer_tag_to_block_ctor={"dense": RepeatedDenseBlock})
-    assert kfac_jax.KroneckerFactored.State is eqx_kfac.KroneckerState
+    params, (x, y) = _problem(jax.random.key(0))
+    for ctor in (kfac_jax.DenseTwoKroneckerFactored, kfac_jax.KroneckerFactored):
+        estimator = kfac_jax.BlockDiagonalCurvature(_loss, (params, (x, y)), layer_tag_to_block_ctor={"dense": ctor})
+        assert {type(b) for b in estimator.blocks if b.spec.tag == "dense"} == {eqx_kfac.DenseTwoKroneckerFactored}
 
 
 def test_function_forms_of_the_examples():

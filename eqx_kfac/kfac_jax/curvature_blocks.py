@@ -1,25 +1,22 @@
-"""kfac-jax's curvature block names on `eqx_kfac`'s blocks, the annotation classes kfac-jax code
-names (`KroneckerFactored.State`, `LayerVjpData`), and `set_default_tag_to_block_ctor`, which
-refuses a block written against kfac-jax's block interface when it is registered, saying what to
-write instead.
+"""kfac-jax's curvature block names: kfac-jax's bases `CurvatureBlock`, `KroneckerFactored`,
+`DenseTwoKroneckerFactored` (and `RepeatedDenseKroneckerFactored`) as adapters, so that a block
+class written against kfac-jax's interface (FermiNet's) becomes an `eqx_kfac` block (see
+`_block_adapter`); the other names are `eqx_kfac`'s blocks. `set_default_tag_to_block_ctor`
+refuses, when it is called, what cannot be adapted, saying what to write instead.
 """
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any
 
 from .._curvature.blocks import (
     Conv2DDiagonal as Conv2DDiagonal,
     Conv2DFull as Conv2DFull,
     Conv2DTwoKroneckerFactored as Conv2DTwoKroneckerFactored,
-    CurvatureBlock as CurvatureBlock,
     DenseDiagonal as DenseDiagonal,
     DenseFull as DenseFull,
-    DenseTwoKroneckerFactored as DenseTwoKroneckerFactored,
     Diagonal as Diagonal,
     Full as Full,
-    KroneckerFactored as _KroneckerFactored,
-    KroneckerState,
     NaiveDiagonal as NaiveDiagonal,
     NaiveFull as NaiveFull,
     ScaleAndShiftDiagonal as ScaleAndShiftDiagonal,
@@ -30,77 +27,95 @@ from .._curvature.estimators.block_diagonal import (
     get_default_tag_to_block_ctor as get_default_tag_to_block_ctor,
     set_default_tag_to_block_ctor as _set_default_tag_to_block_ctor,
 )
+from ._block_adapter import (
+    CurvatureBlock as CurvatureBlock,
+    inspect_abstract,
+    KfacJaxBlock as KfacJaxBlock,
+    LayerVjpData as LayerVjpData,
+)
+from ._kronecker_adapter import (
+    DenseTwoKroneckerFactored as DenseTwoKroneckerFactored,
+    KroneckerFactored as KroneckerFactored,
+)
 
-T = TypeVar("T")
-
-# kfac-jax's repeated-dense block: eqx_kfac's dense block treats the repeated axes as examples.
+# kfac-jax's repeated-dense block: the dense block treats the repeated axes as examples (no
+# masking of all-zero repeats).
 RepeatedDenseKroneckerFactored = DenseTwoKroneckerFactored
 
-
-class KroneckerFactored(_KroneckerFactored):
-    """`eqx_kfac.KroneckerFactored` (the abstract family) with kfac-jax's `State` name, for
-    annotations: `KroneckerFactored.State` is `eqx_kfac.KroneckerState`."""
-
-    State: ClassVar[type] = KroneckerState
-
-
-class LayerVjpData(Generic[T]):
-    """kfac-jax's type of the data its blocks receive, for annotations only
-    (`LayerVjpData[Array]`). `eqx_kfac`'s blocks receive an `eqx_kfac.EstimationData`; a block
-    written against kfac-jax's interface is refused by `set_default_tag_to_block_ctor`."""
-
+# What an adapted block may not override: `eqx_kfac` does it itself, or its caches do not hold it.
+_NOT_ADAPTED = {
+    "sync": "eqx_kfac averages every statistic of a block's state over devices itself: drop it",
+    "state_dependent_scale": "fold the factor into the statistics update_curvature_matrix_estimate forms",
+    "parameters_shaped_list_to_array": "eqx_kfac arranges the parameters as the layer's Kronecker block does",
+    "array_to_parameters_shaped_list": "eqx_kfac arranges the parameters as the layer's Kronecker block does",
+}
 
 # kfac-jax's block interface: the methods whose names (or arguments) eqx_kfac's blocks do not have.
 _KFAC_JAX_METHODS = ("fixed_scale", "_init", "_update_cache", "input_size", "output_size", "_multiply_matpower")
 _KFAC_JAX_ARGUMENTS = {"update_curvature_matrix_estimate": "identity_weight", "multiply_matpower": "exact_power"}
 
 
-def _kfac_jax_methods(ctor: Any) -> list[str]:
-    """The methods of `ctor` (a class) written against kfac-jax's block interface."""
-    if not isinstance(ctor, type):
-        return []
+def _kfac_jax_methods(ctor: type, names: Any = None) -> list[str]:
+    """The methods of `ctor` below `eqx_kfac`'s classes written against kfac-jax's block
+    interface (or, with `names`, those of these names)."""
     found = []
     for cls in ctor.__mro__:
         if cls.__module__.startswith("eqx_kfac."):
             break
         for name, member in vars(cls).items():
             argument = _KFAC_JAX_ARGUMENTS.get(name)
-            if name in _KFAC_JAX_METHODS or (
+            if (name in names) if names is not None else name in _KFAC_JAX_METHODS or (
                 argument is not None and callable(member) and argument in inspect.signature(member).parameters
             ):
                 found.append(f"{cls.__name__}.{name}")
     return found
 
 
+def _adapter_problem(ctor: type) -> str | None:
+    """Why a subclass of kfac-jax's bases cannot be adapted (`None`: it can)."""
+    if abstract := inspect_abstract(ctor):
+        return (
+            f"it does not implement kfac-jax's {abstract}: implement them, or subclass "
+            "kfac_jax.KroneckerFactored or kfac_jax.DenseTwoKroneckerFactored, whose eqx_kfac methods "
+            "stand for the ones you do not write"
+        )
+    overridden = _kfac_jax_methods(ctor, _NOT_ADAPTED)
+    if overridden:
+        return "; ".join(f"{m} is not adapted ({_NOT_ADAPTED[m.rsplit('.', 1)[1]]})" for m in overridden)
+    return None
+
+
 def check_block_ctor(name: Any, ctor: Callable[..., Any]) -> None:
     """Raises `TypeError` when `ctor` is a block class written against kfac-jax's block interface
-    (`update_curvature_matrix_estimate(state, estimation_data, ema_old, ema_new,
-    identity_weight, batch_size)`, `_init`, `_update_cache`, `fixed_scale`, ...), which
-    `eqx_kfac`'s estimators do not call, saying what to write instead.
+    that cannot be adapted, saying what to write instead. Subclasses of kfac-jax's bases
+    (`kfac_jax.KroneckerFactored`, `DenseTwoKroneckerFactored`, `CurvatureBlock`) are adapted
+    (see `_block_adapter`) unless they leave kfac-jax's abstract methods unwritten or override
+    `sync`, `state_dependent_scale` or the parameter rearrangement; `eqx_kfac`'s blocks (the
+    other names) with kfac-jax's methods (`fixed_scale`, `_init`, ...) are refused.
 
     **Arguments:**
 
     - `name`: the tag, variant or parameter the block is registered for (for the message).
     - `ctor`: the block class or constructor.
     """
-    methods = _kfac_jax_methods(ctor)
-    if not methods:
+    if not isinstance(ctor, type):
         return
-    dense = issubclass(ctor, DenseTwoKroneckerFactored)
-    instead = (
-        f"If {ctor.__name__} flattens repeated axes into examples (FermiNet's RepeatedDenseBlock, "
-        f"kfac-jax's RepeatedDenseKroneckerFactored), eqx_kfac.DenseTwoKroneckerFactored does that "
-        f"already: drop this registration (the default block of {name!r} is the dense layer's). "
-        "Otherwise write it as an eqx_kfac block (see the 'Extending' page)."
-        if dense else
-        "Write it as an eqx_kfac block: subclass eqx_kfac.KroneckerFactored (or CurvatureBlock, "
-        "Diagonal, Full) and implement slice_init / slice_update_statistics / slice_update_cache / "
-        "slice_multiply_matpower on the layer's LayerSpec and EstimationData (see the 'Extending' page)."
-    )
-    raise TypeError(
-        f"The block {ctor.__name__} registered for {name!r} is written against kfac-jax's block "
-        f"interface ({', '.join(methods)}), which eqx_kfac's estimators do not call. {instead}"
-    )
+    if issubclass(ctor, CurvatureBlock):
+        problem = _adapter_problem(ctor)
+        if problem is not None:
+            raise TypeError(f"The kfac-jax-style block {ctor.__name__} registered for {name!r} cannot be adapted: {problem}.")
+        return
+    methods = _kfac_jax_methods(ctor)
+    if methods:
+        raise TypeError(
+            f"The block {ctor.__name__} registered for {name!r} subclasses eqx_kfac's "
+            f"{next(c for c in ctor.__mro__ if c.__module__.startswith('eqx_kfac.')).__name__} but is written against "
+            f"kfac-jax's block interface ({', '.join(methods)}), which eqx_kfac's blocks do not call. "
+            "Subclass kfac_jax.KroneckerFactored or kfac_jax.DenseTwoKroneckerFactored instead (their "
+            "kfac-jax methods are adapted), or write it as an eqx_kfac block: implement slice_init / "
+            "slice_update_statistics / slice_update_cache / slice_multiply_matpower on the layer's "
+            "LayerSpec and EstimationData (the 'Extending' page)."
+        )
 
 
 def check_block_ctors(ctors: Mapping[Any, Callable[..., Any]] | None) -> None:
@@ -117,13 +132,15 @@ def check_block_ctors(ctors: Mapping[Any, Callable[..., Any]] | None) -> None:
 
 def set_default_tag_to_block_ctor(tag_name: str, block_ctor: Callable[..., Any]) -> None:
     """kfac-jax's function: the block every estimator built afterwards gives a tag or a
-    `register_dense` variant (see `eqx_kfac.set_default_tag_to_block_ctor`). A block class written
-    against kfac-jax's block interface raises `TypeError` here, saying what to write instead.
+    `register_dense` variant (see `eqx_kfac.set_default_tag_to_block_ctor`). A subclass of
+    kfac-jax's bases is adapted; a block class that cannot be (see `check_block_ctor`) raises
+    `TypeError` here, saying what to write instead.
 
     **Arguments:**
 
     - `tag_name`: a tag's name (`"dense"`, ...) or a `register_dense` variant (`"repeated_dense"`).
-    - `block_ctor`: an `eqx_kfac` block class, or a `LayerSpec -> CurvatureBlock` callable.
+    - `block_ctor`: an `eqx_kfac` block class, a subclass of kfac-jax's bases, or a
+      `LayerSpec -> CurvatureBlock` callable.
     """
     check_block_ctor(tag_name, block_ctor)
     _set_default_tag_to_block_ctor(tag_name, block_ctor)

@@ -26,7 +26,8 @@ from .._tracing.losses import (
     register_softmax_cross_entropy_loss as register_softmax_cross_entropy_loss,
     register_squared_error_loss as register_squared_error_loss,
 )
-from .._tracing.tags import LayerTag as LayerTag, LossTag as LossTag, loss_tag as loss_tag
+from .._tracing.tags import dense_tag, LayerTag as LayerTag, LossTag as LossTag, loss_tag as loss_tag
+from ._block_adapter import LayerData as LayerData
 
 
 class KfacJaxLayerTag:
@@ -54,22 +55,34 @@ def register_dense(
     y: Array, x: Array, w: Array, b: Array | None = None, variant: str = "dense", type: str | None = None, **kwargs: Any
 ) -> Array:
     """Registers a dense layer `y = x @ w + b` (kfac-jax's function: `variant`, or the older
-    keyword `type`, names the layer's variant, e.g. `"repeated_dense"`; see
-    `eqx_kfac.register_dense`).
+    keyword `type` when `variant` is not given, names the layer's variant, e.g.
+    `"repeated_dense"`; see `eqx_kfac.register_dense`).
+
+    A layer of a variant of your own whose shapes are not a dense layer's (FermiNet's `"qmc"`
+    full envelope: `x: (batch, i, j, k)`, `w: (k, m, j, n)`, `y: (batch, i, j, m, n)`) is tagged
+    with its arrays as they are, for the variant's own block (the dense blocks refuse it).
 
     **Arguments:**
 
     - `y`, `x`, `w`, `b`: the output, input, weight and bias (optional).
     - `variant`: the variant, whose block `set_default_tag_to_block_ctor` or
       `layer_tag_to_block_ctor` may name.
-    - `type`: the variant, under kfac-jax's older keyword (wins over `variant`).
+    - `type`: the variant, under kfac-jax's older keyword (used when `variant` is `"dense"`).
     - `kwargs`: `eqx_kfac.register_dense`'s keywords (`weight_layout`, `num_in_dims`).
 
     **Returns:**
 
     `y`, tagged.
     """
-    return _register_dense(y, x, w, b, variant=variant if type is None else type, **kwargs)
+    if type is not None and variant == "dense":
+        variant = type
+    try:
+        return _register_dense(y, x, w, b, variant=variant, **kwargs)
+    except ValueError:
+        if variant in ("dense", "repeated_dense"):
+            raise
+        args = (y, x, w) if b is None else (y, x, w, b)
+        return dense_tag.bind(*args, weight_layout="in_out", has_bias=b is not None, origin="manual", variant=variant)[0]
 
 
 register_repeated_dense = functools.partial(register_dense, variant="repeated_dense")
