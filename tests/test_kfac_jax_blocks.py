@@ -41,8 +41,12 @@ class RepeatedDenseBlock(kfac_jax.DenseTwoKroneckerFactored):
 
 class QmcBlockedDense(kfac_jax.KroneckerFactored):
     """FermiNet HEAD's block, verbatim but for the annotations, the unused `input_size` /
-    `output_size`, and `WeightedMovingAverage` taken from `kfac_jax.curvature_blocks` (FermiNet's
-    `kfac_jax.utils.WeightedMovingAverage` is `eqx_kfac`'s immutable average there)."""
+    `output_size`, `WeightedMovingAverage` taken from `kfac_jax.curvature_blocks` (FermiNet's
+    `kfac_jax.utils.WeightedMovingAverage` is `eqx_kfac`'s immutable average there), and the
+    `vmap` in `_update_cache`: FermiNet's, `jax.vmap(pi_adjusted_kronecker_inverse, (0, None),
+    (0, 0))`, maps the scalar `damping` keyword (vmap maps keywords over axis 0) and not the
+    outputs factor, and fails under kfac-jax HEAD too (whose `KroneckerFactored.State` has no
+    `inputs_factor` since 2023)."""
 
     def fixed_scale(self):
         return float(self.parameters_shapes[0][1])
@@ -85,9 +89,11 @@ class QmcBlockedDense(kfac_jax.KroneckerFactored):
             if power != -1:
                 raise NotImplementedError(f"Approximations for power {power} is not yet implemented.")
             cache = state.cache[str(power)]
-            pi_adjusted_inverse = jax.vmap(kfac_jax.utils.pi_adjusted_kronecker_inverse, (0, None), (0, 0))
+            pi_adjusted_inverse = jax.vmap(
+                lambda a, g: kfac_jax.utils.pi_adjusted_kronecker_inverse(a, g, damping=identity_weight)
+            )
             cache["inputs_factor"], cache["outputs_factor"] = pi_adjusted_inverse(
-                state.inputs_factor.value, state.outputs_factor.value, damping=identity_weight
+                state.inputs_factor.value, state.outputs_factor.value
             )
         return state
 
@@ -141,7 +147,7 @@ def _repeated_problem(key):
 
 
 def _estimate(loss, params, data, ctors, approx_powers):
-    estimator = kfac_jax.BlockDiagonalCurvature(loss, (params, data), layer_tag_to_block_ctor=ctors)
+    estimator = kfac_jax.BlockDiagonalCurvature(loss, (params, data), layer_tag_to_block_ctor=ctors, on_unmatched="ignore")
     state = estimator.init(jax.random.key(0), approx_powers_to_cache=approx_powers)
     batch = data[0].shape[0]
     state = estimator.update_curvature_matrix_estimate(
@@ -149,6 +155,18 @@ def _estimate(loss, params, data, ctors, approx_powers):
     )
     (index,) = [i for i, b in enumerate(estimator.blocks) if isinstance(b, kfac_jax.curvature_blocks.KfacJaxBlock)]
     return estimator, state, index
+
+
+def _steps(estimator, state, vector, damping, products):
+    """The products `(power, exact_power, use_cached)` after `update_cache(damping)` caches the
+    inverse, in one compiled program."""
+
+    @jax.jit
+    def run(state):
+        state = estimator.update_cache(state, damping, approx_powers=-1)
+        return [estimator.multiply_matpower(state, vector, damping, *product) for product in products]
+
+    return run(state)
 
 
 def test_repeated_dense_block_factors_and_steps():
@@ -173,7 +191,45 @@ def test_repeated_dense_block_factors_and_steps():
     exact = np.linalg.solve(scale * np.kron(a, g) + damping * np.eye(len(a) * len(g)), canonical.reshape(-1))
     inv_a, inv_g = _pi_adjusted(a, g, damping / scale)
     approx = inv_a @ canonical @ inv_g / scale
-    state = estimator.update_cache(state, damping, approx_powers=-1)
-    for exact_power, use_cached, expected in ((True, False, exact.reshape(canonical.shape)), (False, False, approx), (False, True, approx)):
-        step = estimator.multiply_inverse(state, vector, damping, exact_power=exact_power, use_cached=use_cached)
+    steps = _steps(estimator, state, vector, damping, ((-1, True, False), (-1, False, False), (-1, False, True)))
+    for step, expected in zip(steps, (exact.reshape(canonical.shape), approx, approx)):
         np.testing.assert_allclose(np.concatenate([step["w"], step["b"][None]]), expected, rtol=1e-8)
+
+
+def test_qmc_block_factors_and_steps():
+    """FermiNet's full-envelope layer `y = einsum("bijk,kmjn->bijmn", x, w)`, registered as
+    `register_dense(y, x, w, variant="qmc")` with its n-d weight, gets `QmcBlockedDense`'s
+    per-`j` factors; its cached inverse and its product are the ones those factors give."""
+    k = jax.random.split(jax.random.key(4), 4)
+    batch, i, j, kk, m, n = 4, 2, 3, 2, 2, 2
+    params = {"w": jax.random.normal(k[0], (kk, m, j, n)), "head": jax.random.normal(k[1], (j, m, n, 2))}
+    data = (jax.random.normal(k[2], (batch, i, j, kk)), jax.random.normal(k[3], (batch, 2)))
+
+    def loss(p, data):
+        x, y = data
+        out = kfac_jax.register_dense(jnp.einsum("bijk,kmjn->bijmn", x, p["w"]), x, p["w"], variant="qmc")
+        out = jnp.einsum("bijmn,jmno->bo", jnp.tanh(out), p["head"])
+        kfac_jax.register_squared_error_loss(out, y)
+        return jnp.mean(jnp.sum((out - y) ** 2, -1))
+
+    estimator, state, index = _estimate(loss, params, data, {"qmc": QmcBlockedDense}, -1)
+    x, w, head = (np.asarray(a) for a in (data[0], params["w"], params["head"]))
+    a = np.einsum("bijk,bijl->jkl", x, x) / (batch * i)
+    slope = 1 - np.tanh(np.einsum("bijk,kmjn->bijmn", x, w)) ** 2
+    dys = [np.sqrt(2) * (slope * head[..., v]).reshape(batch, i, j, m * n) for v in range(2)]
+    g = sum(np.einsum("bijk,bijl->jkl", dy, dy) for dy in dys) / (batch * i)
+    block_state = state.block_states[index].state
+    np.testing.assert_allclose(block_state.inputs_factor.value, a, rtol=1e-8)
+    np.testing.assert_allclose(block_state.outputs_factor.value, g, rtol=1e-8)
+
+    damping = 0.3
+    vector = jax.tree.map(lambda p: jnp.ones_like(p) * jnp.arange(p.size).reshape(p.shape), params)
+    canonical = np.transpose(np.asarray(vector["w"]), (2, 0, 1, 3)).reshape(j, kk, m * n)
+    # update_cache divides the damping by the fixed scale (m); the block's product does not scale.
+    inverses = [_pi_adjusted(a[s], g[s], damping / m) for s in range(j)]
+    expected = {
+        -1: np.stack([inv_a @ canonical[s] @ inv_g for s, (inv_a, inv_g) in enumerate(inverses)]),
+        1: np.stack([a[s] @ canonical[s] @ g[s] for s in range(j)]) + damping * canonical,
+    }
+    for step, power in zip(_steps(estimator, state, vector, damping, ((-1, False, True), (1, True, True))), (-1, 1)):
+        np.testing.assert_allclose(np.transpose(step["w"], (2, 0, 1, 3)).reshape(j, kk, m * n), expected[power], rtol=1e-8)

@@ -32,6 +32,7 @@ from ._block_adapter import (
     inspect_abstract,
     KfacJaxBlock as KfacJaxBlock,
     LayerVjpData as LayerVjpData,
+    WeightedMovingAverage as WeightedMovingAverage,
 )
 from ._kronecker_adapter import (
     DenseTwoKroneckerFactored as DenseTwoKroneckerFactored,
