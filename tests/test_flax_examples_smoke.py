@@ -1,4 +1,4 @@
-"""Smoke test of `benchmarks/flax_examples` (`--quick`): one example (the suite's time) trains with both K-FAC forms
+"""Smoke test of `benchmarks/flax_examples.py` (`--quick`): one example (the suite's time) trains with both K-FAC forms
 and their config's optimizer, and the record holds what the docs page's table is made of."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
 
-from benchmarks.flax_examples import run  # noqa: E402
+from benchmarks.flax_suite import run  # noqa: E402
 
 STEPS = 3
 
@@ -50,3 +50,28 @@ def test_ogbg_without_jraph_is_skipped_with_the_install_line(tmp_path, monkeypat
     assert run.main(["--quick", "--examples", "ogbg", "--save", str(tmp_path / "none.json")]) == 0
     assert run.MISSING_JRAPH in capsys.readouterr().out
     assert json.loads((tmp_path / "none.json").read_text())["examples"] == {}
+
+
+def _fake_run(rate, final):
+    return run.Run(problem="p", method="sgd", learning_rate=rate, seed=0, losses=np.full(10, final),
+                   times=np.ones(9), batch_times=np.ones(9), first_call=None, stats={})
+
+
+@pytest.mark.parametrize("losses, rates", [
+    ({1 / 3: 3.0, 1.0: 2.0, 3.0: 1.0, 9.0: 0.5, 27.0: 0.4}, [1 / 3, 1, 3, 9, 27]),  # two rungs, then the cap
+    ({1 / 3: 3.0, 1.0: 2.0, 3.0: 1.0, 9.0: 1.5}, [1 / 3, 1, 3, 9]),  # one rung: the best is inside
+    ({1 / 9: 2.0, 1 / 3: 1.0, 1.0: 2.0, 3.0: 3.0}, [1 / 9, 1 / 3, 1, 3]),  # downwards
+    ({1 / 3: 2.0, 1.0: 1.0, 3.0: 2.0}, [1 / 3, 1, 3]),  # already inside: unchanged
+])
+def test_the_ladder_grows_past_an_end_that_holds_its_best_run(monkeypatch, losses, rates):
+    trained = []
+
+    def one_round(problem, methods, steps):
+        trained.append(methods[0].learning_rate)
+        return [_fake_run(methods[0].learning_rate, losses[methods[0].learning_rate])]
+
+    monkeypatch.setattr(run, "run_round", one_round)
+    grid = [_fake_run(r, losses[r]) for r in (1.0, 1 / 3, 3.0)]
+    out = run.extended(None, run.Method("sgd", 1.0), grid, 10)
+    np.testing.assert_allclose([r.learning_rate for r in out], rates)
+    assert len(trained) == len(rates) - 3

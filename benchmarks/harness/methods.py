@@ -29,6 +29,7 @@ import optax
 
 import eqx_kfac
 
+from .flax_configs import adamw_rsqrt, sgd_decayed, sgd_nesterov_cosine
 from .problem import Problem
 
 # K-FAC's two forms.
@@ -83,6 +84,10 @@ OPTAX: dict[str, Callable[..., optax.GradientTransformation]] = {
     "muon": optax.contrib.muon,
     "sophia": optax.contrib.sophia,
     "psgd": psgd_kron,
+    # The optimizers of Flax's example configs (benchmarks/flax_suite).
+    "adamw_rsqrt": adamw_rsqrt,
+    "sgd_nesterov_cosine": sgd_nesterov_cosine,
+    "sgd_decayed": sgd_decayed,
 }
 # Transforms whose `update` takes the objective as `obj_fn`.
 _NEEDS_OBJECTIVE = ("sophia",)

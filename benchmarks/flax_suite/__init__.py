@@ -1,8 +1,8 @@
 """Flax's examples trained with K-FAC: steps and seconds to the optimizer each example's config tunes.
 
-    python -m benchmarks.flax_examples                      # the seven examples, full budgets
-    python -m benchmarks.flax_examples --quick --examples mnist vae   # a smoke run
-    python -m benchmarks.flax_examples --plots docs/img     # also loss vs steps and vs seconds
+    python benchmarks/flax_examples.py                      # the seven examples, full budgets
+    python benchmarks/flax_examples.py --quick --examples mnist vae   # a smoke run
+    python benchmarks/flax_examples.py --plots docs/img     # also loss vs steps and vs seconds
 
 The models (`models.py`, `graph.py`) are those of Flax's `examples/*/models.py` (MNIST's in its
 `train.py`), with the same layer types and structure at sizes two CPU cores train in minutes:
@@ -21,8 +21,9 @@ Each example (`examples.py`) is trained from the same initial parameters on the 
 - `kfac_optax`: `eqx_kfac.kfac_optax(loss, example_args)` with its defaults;
 - the optimizer of the example's `configs/default.py` (SGD with momentum, Adam, AdamW with its
   warm-up and reverse square-root schedule, SGD with decayed weights, SGD Nesterov with warm-up
-  and cosine decay) at the config's learning rate and its two neighbours on a 3x ladder; the one
-  with the lowest final loss is the baseline.
+  and cosine decay) at the config's learning rate and its two neighbours on a 3x ladder, the
+  ladder extended by up to two more rungs while its best rate is at an end (each extra rung in a
+  round of its own); the one with the lowest final loss is the baseline.
 
 All five runs of an example advance one step each in turn in one process (`benchmarks.harness`'s
 `run_round`), so load from other processes falls on all of them alike: the step ratios are what to

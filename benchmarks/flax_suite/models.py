@@ -1,5 +1,5 @@
 """The models of Flax's examples (`examples/*/models.py`, MNIST's in `train.py`), written again
-with the same layer types and structure at the sizes `benchmarks/flax_examples` trains on two CPU
+with the same layer types and structure at the sizes `benchmarks/flax_examples.py` trains on two CPU
 cores. Dropout is left out (the benchmark compares training losses); everything else is as the
 examples write it. The graph network is in `graph.py` (it needs jraph).
 """

@@ -1,4 +1,4 @@
-"""The command line of `python -m benchmarks.flax_examples`: trains the examples, prints the
+"""The command line of `python benchmarks/flax_examples.py`: trains the examples, prints the
 table, writes the JSON record and the plots (see the package's docstring)."""
 
 import argparse
@@ -25,7 +25,10 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = {"mnist": (100, 8), "seq2seq": (150, 8), "lm1b": (150, 8), "vae": (150, 8), "sst2": (100, 8),
          "ogbg": (100, 8), "imagenet": (80, 6)}
 # The baseline's learning rates: the config's and its neighbours on a 3x ladder.
-LADDER = (1 / 3, 1.0, 3.0)
+LADDER_STEP = 3.0
+LADDER = (1 / LADDER_STEP, 1.0, LADDER_STEP)
+# How many rungs the ladder may grow past an end that holds its best run.
+MAX_EXTRA_RUNGS = 2
 KFAC_FORMS = {"kfac": "Optimizer", "recipe": "kfac_optax"}
 # The recommended damping rule's floor.
 DAMPING_FLOOR = float(DEFAULT_DAMPING.minimum)
@@ -40,8 +43,27 @@ def ladder(baseline: Method, quick: bool = False) -> list[Method]:
     return [dataclasses.replace(baseline, learning_rate=baseline.learning_rate * f) for f in factors]
 
 
+def extended(problem: Any, baseline: Method, grid: list[Run], steps: int) -> list[Run]:
+    """The ladder extended one 3x rung at a time past an end that holds its best run, at most
+    `MAX_EXTRA_RUNGS` times: a baseline whose best rate is the ladder's largest (or smallest) is
+    not tuned yet. Each extra rung is trained in a round of its own (the same batches and initial
+    parameters); the ladder is returned sorted by learning rate."""
+    grid = sorted(grid, key=lambda run: run.learning_rate)
+    for _ in range(MAX_EXTRA_RUNGS):
+        top = best(grid)
+        if top is grid[-1]:
+            rate, at = grid[-1].learning_rate * LADDER_STEP, len(grid)
+        elif top is grid[0]:
+            rate, at = grid[0].learning_rate / LADDER_STEP, 0
+        else:
+            break
+        grid.insert(at, run_round(problem, [dataclasses.replace(baseline, learning_rate=rate)], steps)[0])
+    return grid
+
+
 def run_example(name: str, steps: int, quick: bool) -> tuple[Outcome, Example]:
-    """Trains one example: both K-FAC forms and the baseline's ladder, alternated step by step.
+    """Trains one example: both K-FAC forms and the baseline's ladder, alternated step by step,
+    then the ladder extended while its best rate is at an end (`extended`; not `quick`).
 
     **Arguments:**
 
@@ -56,6 +78,8 @@ def run_example(name: str, steps: int, quick: bool) -> tuple[Outcome, Example]:
     example = EXAMPLES[name](steps, quick)
     runs = run_round(example.problem, [Method("kfac"), Method("recipe"), *ladder(example.baseline, quick)], steps)
     kfac, recipe, grid = runs[0], runs[1], runs[2:]
+    if not quick:
+        grid = extended(example.problem, example.baseline, grid, steps)
     base = example.baseline.name
     grids = {"kfac": [kfac], "recipe": [recipe], base: grid}
     return Outcome(name, steps, grids, {"kfac": [kfac], "recipe": [recipe], base: [best(grid)]}), example
