@@ -1,25 +1,26 @@
 """FermiNet HEAD's own training loop with `kfac_jax` replaced by `eqx_kfac.kfac_jax` (issue 49).
 
 Not a test: FermiNet is not a dependency. Give a FermiNet checkout (the directory holding the
-`ferminet` package) and, if its dependencies are not installed, a directory of them:
+`ferminet` package, e.g. `git archive HEAD ferminet | tar -x -C checkout`) and, if its
+dependencies are not installed, a directory of them:
 
     python benchmarks/ferminet_dropin.py --ferminet /path/to/ferminet-checkout \
-        [--deps /path/to/site-dir] [--iterations 20] [--atom He]
+        [--deps /path/to/site-dir] [--iterations 20] [--atom He] [--envelope full]
 
 What it does, in order:
 
 1. `sys.modules["kfac_jax"] = eqx_kfac.kfac_jax`: every `import kfac_jax` of FermiNet gets the
-   drop-in; nothing else of FermiNet is changed. `pyscf` (and `pandas`) are stubbed when they are
-   not installed: a config without Hartree-Fock pretraining never calls them.
-2. Imports `ferminet.train`. FermiNet registers its own blocks (`RepeatedDenseBlock`,
-   `QmcBlockedDense`, written against kfac-jax's block interface) at import; the drop-in refuses
-   them there, and the script prints the refusal. It then imports a copy of the checkout with
-   those two `set_default_tag_to_block_ctor` calls removed, which is what the refusal says to
-   do (the dense block treats the repeated axes as examples; the `"qmc"` variant is FermiNet's
-   opt-in full envelope, unused by default).
+   drop-in; nothing of FermiNet is changed. `pyscf` (and `pandas`) are stubbed when they are not
+   installed: a config without Hartree-Fock pretraining never calls them.
+2. Imports `ferminet.train` from the checkout as it is. FermiNet registers its own blocks
+   (`RepeatedDenseBlock` for its `"repeated_dense"` layers, `QmcBlockedDense` for the `"qmc"`
+   full envelope), written against kfac-jax's block interface; the drop-in adapts them (the
+   "Migrating from kfac-jax" page), so every dense layer of the network gets `RepeatedDenseBlock`.
 3. Runs `ferminet.train.train` on a small atom (FermiNet's `atom` config, 64 walkers, two layers
-   of widths (16, 4), two determinants, no pretraining), with its pmap-replicated calling
-   convention, and prints the energies FermiNet logs and the time per iteration.
+   of widths (16, 4), two determinants, no pretraining, seed 23), with its pmap-replicated
+   calling convention, and prints the energies FermiNet logs and the time per iteration.
+   `--envelope full` selects FermiNet's `make_full_envelope` (the `"qmc"` route), whose block
+   does not run on kfac-jax HEAD either; the script prints where it stops.
 """
 
 import argparse
@@ -67,7 +68,7 @@ def _import_train(checkout: pathlib.Path):
     return importlib.import_module("ferminet.train")
 
 
-def _config(atom: str, iterations: int, save_path: str):
+def _config(atom: str, iterations: int, save_path: str, envelope: str):
     from ferminet.configs import atom as atom_config
 
     cfg = atom_config.get_config()
@@ -81,6 +82,9 @@ def _config(atom: str, iterations: int, save_path: str):
     cfg.debug.deterministic = True  # seed 23: runs comparable with kfac-jax's
     cfg.log.save_path = save_path
     cfg.log.save_frequency = 1e6
+    if envelope == "full":
+        cfg.network.make_envelope_fn = "ferminet.envelopes.make_full_envelope"
+        cfg.network.make_envelope_kwargs = {}
     return cfg.lock() if hasattr(cfg, "lock") else cfg
 
 
@@ -102,6 +106,7 @@ def main() -> None:
     parser.add_argument("--deps", type=pathlib.Path, action="append", default=[], help="extra sys.path entries")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--atom", default="He")
+    parser.add_argument("--envelope", choices=("isotropic", "full"), default="isotropic")
     args = parser.parse_args()
     sys.path[:0] = [str(p) for p in args.deps]
 
@@ -122,13 +127,17 @@ def main() -> None:
     steps = _StepTimes()
     logging.getLogger().addHandler(steps)  # absl's records propagate to the root logger
     with tempfile.TemporaryDirectory() as save_path:
-        cfg = atom_config.adjust_nuclear_charge(_config(args.atom, args.iterations, save_path))
+        cfg = atom_config.adjust_nuclear_charge(_config(args.atom, args.iterations, save_path, args.envelope))
         start = time.perf_counter()
-        train.train(cfg)
+        try:
+            train.train(cfg)
+        except Exception as error:  # FermiNet's full-envelope block: see the docstring
+            print(f"FermiNet's {args.envelope} envelope stopped: {type(error).__name__}: {error}")
+            raise SystemExit(1) from None
         elapsed = time.perf_counter() - start
         stats = (pathlib.Path(save_path) / "train_stats.csv").read_text().splitlines()
     intervals = [b - a for a, b in zip(steps.times, steps.times[1:])]
-    print(f"FermiNet HEAD (unmodified) on {args.atom} ({jax.local_device_count()} devices): {args.iterations} "
+    print(f"FermiNet HEAD (unmodified) on {args.atom}, {args.envelope} envelope ({jax.local_device_count()} devices): {args.iterations} "
           f"iterations in {elapsed:.1f} s; median iteration after the first "
           f"{statistics.median(intervals[1:] or intervals or [math.nan]):.3f} s")
     print("\n".join(stats[:3] + ["..."] + stats[-3:]))

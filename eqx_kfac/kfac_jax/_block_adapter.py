@@ -62,9 +62,10 @@ class LayerVjpData(Generic[T]):
     tangents: LayerData[T]
 
 
-class WeightedMovingAverage:
+class WeightedMovingAverage(Generic[T]):
     """kfac-jax's moving average: mutable (`update` changes it in place), a PyTree of `value`
-    and `weight`, with `eqx_kfac.WeightedMovingAverage`'s update rule.
+    and `weight`, with `eqx_kfac.WeightedMovingAverage`'s update rule; subscriptable for
+    annotations (`WeightedMovingAverage[Array]`).
 
     **Fields:**
 
@@ -230,8 +231,8 @@ class CurvatureBlock(metaclass=_AdaptedMeta):
 
     @classmethod
     def _eqx_block(cls, spec: LayerSpec) -> _EqxBlock:
-        if inspect_abstract(cls):
-            raise TypeError(f"{cls.__name__} does not implement kfac-jax's {inspect_abstract(cls)}.")
+        if abstract_methods(cls):
+            raise TypeError(f"{cls.__name__} does not implement kfac-jax's {abstract_methods(cls)}.")
         return KfacJaxBlock(spec=spec, block=super(_AdaptedMeta, cls).__call__(spec))  # type: ignore[misc]
 
     def __eq__(self, other: object) -> bool:
@@ -367,7 +368,7 @@ class CurvatureBlock(metaclass=_AdaptedMeta):
         """The dense matrix without the scale."""
 
 
-def inspect_abstract(cls: type) -> str:
+def abstract_methods(cls: type) -> str:
     """The abstract methods of a kfac-jax-style class, as text (empty when there are none)."""
     return ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
 

@@ -29,7 +29,7 @@ from .._curvature.estimators.block_diagonal import (
 )
 from ._block_adapter import (
     CurvatureBlock as CurvatureBlock,
-    inspect_abstract,
+    abstract_methods,
     KfacJaxBlock as KfacJaxBlock,
     LayerVjpData as LayerVjpData,
     WeightedMovingAverage as WeightedMovingAverage,
@@ -56,33 +56,38 @@ _KFAC_JAX_METHODS = ("fixed_scale", "_init", "_update_cache", "input_size", "out
 _KFAC_JAX_ARGUMENTS = {"update_curvature_matrix_estimate": "identity_weight", "multiply_matpower": "exact_power"}
 
 
-def _kfac_jax_methods(ctor: type, names: Any = None) -> list[str]:
-    """The methods of `ctor` below `eqx_kfac`'s classes written against kfac-jax's block
-    interface (or, with `names`, those of these names)."""
+def _own_members(ctor: type) -> list[tuple[str, str, Any]]:
+    """`(class name, name, member)` of what `ctor`'s classes below `eqx_kfac`'s define."""
     found = []
     for cls in ctor.__mro__:
         if cls.__module__.startswith("eqx_kfac."):
             break
-        for name, member in vars(cls).items():
-            argument = _KFAC_JAX_ARGUMENTS.get(name)
-            if (name in names) if names is not None else name in _KFAC_JAX_METHODS or (
-                argument is not None and callable(member) and argument in inspect.signature(member).parameters
-            ):
-                found.append(f"{cls.__name__}.{name}")
+        found.extend((cls.__name__, name, member) for name, member in vars(cls).items())
     return found
+
+
+def _kfac_jax_methods(ctor: type) -> list[str]:
+    """The methods of `ctor` (below `eqx_kfac`'s classes) written against kfac-jax's interface."""
+    return [
+        f"{owner}.{name}"
+        for owner, name, member in _own_members(ctor)
+        if name in _KFAC_JAX_METHODS
+        or (name in _KFAC_JAX_ARGUMENTS and callable(member)
+            and _KFAC_JAX_ARGUMENTS[name] in inspect.signature(member).parameters)
+    ]
 
 
 def _adapter_problem(ctor: type) -> str | None:
     """Why a subclass of kfac-jax's bases cannot be adapted (`None`: it can)."""
-    if abstract := inspect_abstract(ctor):
+    if abstract := abstract_methods(ctor):
         return (
             f"it does not implement kfac-jax's {abstract}: implement them, or subclass "
             "kfac_jax.KroneckerFactored or kfac_jax.DenseTwoKroneckerFactored, whose eqx_kfac methods "
             "stand for the ones you do not write"
         )
-    overridden = _kfac_jax_methods(ctor, _NOT_ADAPTED)
+    overridden = [(owner, name) for owner, name, _ in _own_members(ctor) if name in _NOT_ADAPTED]
     if overridden:
-        return "; ".join(f"{m} is not adapted ({_NOT_ADAPTED[m.rsplit('.', 1)[1]]})" for m in overridden)
+        return "; ".join(f"{owner}.{name} is not adapted ({_NOT_ADAPTED[name]})" for owner, name in overridden)
     return None
 
 
