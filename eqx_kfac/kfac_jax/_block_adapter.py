@@ -301,7 +301,17 @@ class CurvatureBlock(metaclass=_AdaptedMeta):
 
     def scale(self, state: State, use_cache: bool) -> ArrayLike:
         """The curvature's factor: `fixed_scale()`, times `state_dependent_scale(state)` unless
-        cached values (which include it) are used."""
+        cached values (which include it) are used.
+
+        **Arguments:**
+
+        - `state`: the block's state.
+        - `use_cache`: whether cached values are used.
+
+        **Returns:**
+
+        The factor.
+        """
         if use_cache:
             return self.fixed_scale()
         return self.fixed_scale() * self.state_dependent_scale(state)
@@ -309,11 +319,34 @@ class CurvatureBlock(metaclass=_AdaptedMeta):
     # --- kfac-jax's public methods ----------------------------------------------------------
 
     def init(self, rng: Any, exact_powers_to_cache: Any, approx_powers_to_cache: Any, cache_eigenvalues: bool) -> State:
-        """kfac-jax's `init`: `_init` with the powers as sets."""
+        """kfac-jax's `init`: `_init` with the powers as sets.
+
+        **Arguments:**
+
+        - `rng`: a PRNG key (or `None`), handed to `_init`.
+        - `exact_powers_to_cache`, `approx_powers_to_cache`: `None`, a power or powers.
+        - `cache_eigenvalues`: whether eigenvalues will be cached.
+
+        **Returns:**
+
+        The block's `State`.
+        """
         return self._init(rng, _power_set(exact_powers_to_cache), _power_set(approx_powers_to_cache), cache_eigenvalues)
 
     def update_cache(self, state: State, identity_weight: ArrayLike, exact_powers: Any, approx_powers: Any, eigenvalues: bool) -> State:
-        """kfac-jax's `update_cache`: `_update_cache` with the damping divided by the scale."""
+        """kfac-jax's `update_cache`: `_update_cache` with the damping divided by the scale.
+
+        **Arguments:**
+
+        - `state`: the block's state.
+        - `identity_weight`: the damping.
+        - `exact_powers`, `approx_powers`: `None`, a power or powers to refresh.
+        - `eigenvalues`: whether to refresh the cached eigenvalues.
+
+        **Returns:**
+
+        The state with refreshed caches.
+        """
         return self._update_cache(
             state, identity_weight / self.scale(state, False), _power_set(exact_powers), _power_set(approx_powers), eigenvalues
         )
@@ -322,17 +355,49 @@ class CurvatureBlock(metaclass=_AdaptedMeta):
         self, state: State, vector: Sequence[Array], identity_weight: ArrayLike, power: float | int,
         exact_power: bool, use_cached: bool,
     ) -> tuple[Array, ...]:
-        """kfac-jax's `multiply_matpower`: `(scale · C + λ I)^p v` from the unscaled product."""
+        """kfac-jax's `multiply_matpower`: `(scale · C + λ I)^p v` from the unscaled product.
+
+        **Arguments:**
+
+        - `state`: the block's state.
+        - `vector`: arrays shaped like the parameters.
+        - `identity_weight`: the damping `λ`.
+        - `power`: the power `p`.
+        - `exact_power`, `use_cached`: as kfac-jax's.
+
+        **Returns:**
+
+        A tuple of arrays shaped like `vector`.
+        """
         scale = self.scale(state, use_cached)
         result = self._multiply_matpower_unscaled(state, vector, identity_weight / scale, power, exact_power, use_cached)
         return tuple(r * jnp.power(scale, power) for r in result)
 
     def eigenvalues(self, state: State, use_cached: bool) -> Array:
-        """kfac-jax's `eigenvalues`: the unscaled ones times the scale."""
+        """kfac-jax's `eigenvalues`: the unscaled ones times the scale.
+
+        **Arguments:**
+
+        - `state`: the block's state.
+        - `use_cached`: use the cached eigenvalues.
+
+        **Returns:**
+
+        The eigenvalues.
+        """
         return self.scale(state, use_cached) * self._eigenvalues_unscaled(state, use_cached)
 
     def to_dense_matrix(self, state: State) -> Array:
-        """kfac-jax's `to_dense_matrix`: the unscaled matrix times the scale."""
+        """kfac-jax's `to_dense_matrix`: the unscaled matrix times the scale.
+
+        **Arguments:**
+
+        - `state`: the block's state.
+
+        **Returns:**
+
+        The `(dim, dim)` matrix.
+        """
         return self.scale(state, False) * self._to_dense_unscaled(state)
 
     # --- what a subclass writes -------------------------------------------------------------
@@ -346,7 +411,21 @@ class CurvatureBlock(metaclass=_AdaptedMeta):
         self, state: State, estimation_data: LayerVjpData, ema_old: ArrayLike, ema_new: ArrayLike,
         identity_weight: ArrayLike, batch_size: ArrayLike,
     ) -> State:
-        """Folds one batch into the statistics."""
+        """Folds one batch into the statistics (kfac-jax's method; see `KfacJaxBlock` for the
+        arguments it is called with).
+
+        **Arguments:**
+
+        - `state`: a copy of the block's state (it may be changed in place).
+        - `estimation_data`: the layer's `LayerVjpData` for one loss-space vector.
+        - `ema_old`, `ema_new`: the moving averages' weights.
+        - `identity_weight`: `0.0` (eqx_kfac's statistics update is not given the damping).
+        - `batch_size`: the number of examples.
+
+        **Returns:**
+
+        The updated state.
+        """
 
     @abc.abstractmethod
     def _update_cache(self, state: State, identity_weight: ArrayLike, exact_powers: set, approx_powers: set, eigenvalues: bool) -> State:
