@@ -186,11 +186,13 @@ def _ferminet_config(atom: str, steps: int, save_path: str):
 def _ferminet(lib: str, atom: str, steps: int, args) -> dict:
     kfac_jax = _kfac_module(lib)
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    import ferminet_dropin  # its pyscf stubs and FermiNet import (with the refusal it reports)
+    import ferminet_dropin  # its pyscf stubs
 
     for name in ("pyscf", "pandas"):
         ferminet_dropin._stub(name)
-    train, _ = ferminet_dropin._import_train(args.ferminet)
+    sys.path.insert(0, str(args.ferminet))
+    from ferminet import train
+
     times = _Times()
     cls = kfac_jax.Optimizer
     if lib == "core":

@@ -34,6 +34,7 @@ from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.tree import signature
+from .._tracing.derivative_rules import abstract_outputs
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
 from .abstract_optimizer import AbstractOptimizer
 from .arguments import (
@@ -115,8 +116,11 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         block_diagonal = self.preconditioner.estimator(
             self.function.for_estimator, func_args, "eqx_kfac.Optimizer", report
         )
+        # The exact products of the loss the estimator traces (with its layer tags, which change
+        # no value) share its trace: the loss is traced once per step, not once more for them.
+        same = self.function.for_estimator is self.function.value
         implicit = ImplicitExactCurvature(
-            self.function.value, params_index=0,
+            block_diagonal.func if same else self.function.value, params_index=0,
             batch_size_extractor=self.preconditioner.curvature.batch_size_extractor,
         )
         return block_diagonal, implicit
@@ -143,7 +147,8 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         """
         check_func_state(self.function.has_state, func_state)
         func_args = self.function.args(params, func_state, rng, self.function.process(batch))
-        check_scalar_loss(self.function.value, self.function.loss_of, func_args)
+        # Checked on the trace the graph matcher reuses (the loss is traced once, not twice).
+        check_scalar_loss(abstract_outputs(self.function.value), self.function.loss_of, func_args)
         estimator, _ = self.estimators(func_args, report=True)
         if not self.multi_device:
             # (Under `multi_device` the loss may use collectives, which need the step's map.)

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 
-from .derivative_rules import registers_inside_rules, through_derivative_rules
+from .derivative_rules import function_jaxpr
 from .graph_patterns import default_parameters, GraphPattern as GraphPattern
 from .graph_patterns_flax import DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS
 from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, scan_consts_and_carry, subjaxprs
@@ -427,11 +427,7 @@ def auto_register_tags(
         pattern_graphs(pattern)
 
     def tagged_func(*args: Any) -> Any:
-        closed, out_struct, out_static = eqx.filter_make_jaxpr(func)(*args)
-        if registers_inside_rules(closed.jaxpr):
-            closed, out_struct, out_static = eqx.filter_make_jaxpr(
-                through_derivative_rules(func, params_index)
-            )(*args)
+        closed, out_struct, out_static = function_jaxpr(func, args, params_index)
         jaxpr = closed.jaxpr
         positions, _ = _param_leaves(args, params_index)
         refs = {jaxpr.invars[p]: (leaf, 0) for p, leaf in positions.items()}

@@ -20,34 +20,13 @@ from jax.interpreters import partial_eval as pe
 from jaxtyping import Array, PyTree
 
 from .._core.lru_cache import LRUCache
+from .derivative_rules import cache_key
 from .layer_data import EstimationData
 from .tags import is_loss_tag_eqn
-from .traced import is_dynamic, LayerHook, LossHook, run_traced, TracedFunction
+from .traced import LayerHook, LossHook, run_traced, TracedFunction
 
 
 _TRACED = LRUCache(maxsize=64)
-
-
-def _aval_key(x: Any) -> Any:
-    """What of an argument leaf its trace depends on: shape, dtype, weak type and the mesh axes it
-    varies over (under `shard_map`), alike for arrays, tracers and `jax.ShapeDtypeStruct`s, so an
-    abstract and a concrete argument share one trace."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)), frozenset())
-    if is_dynamic(x):
-        aval = jax.typeof(x)
-        return (tuple(aval.shape), aval.dtype, bool(aval.weak_type), frozenset(getattr(aval, "vma", ())))
-    return ("static", x)
-
-
-def _cache_key(func: Callable, func_args: Sequence[Any], params_index: int) -> Any:
-    # The abstract mesh in force (its axes Manual under `shard_map`, Auto in an SPMD program) is
-    # part of every aval the trace holds: a trace made under `shard_map` and reused outside it
-    # mixed the two meshes in one operation (`benchmarks/scale.py`'s replicated, then sharded
-    # step).
-    leaves, treedef = jax.tree.flatten(tuple(func_args))
-    mesh = jax.sharding.get_abstract_mesh()
-    return (func, params_index, treedef, tuple(_aval_key(x) for x in leaves), mesh)
 
 
 def trace(func: Callable, func_args: Sequence[Any], params_index: int = 0) -> TracedFunction:
@@ -67,7 +46,7 @@ def trace(func: Callable, func_args: Sequence[Any], params_index: int = 0) -> Tr
     is not a parameter leaf.
     """
     return _TRACED.get(
-        _cache_key(func, func_args, params_index),
+        cache_key(func, func_args, params_index),
         lambda: TracedFunction(func, func_args, params_index),
     )
 
