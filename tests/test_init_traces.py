@@ -91,6 +91,7 @@ def test_a_function_registering_inside_its_rules_is_traced_through_them_at_once_
     def body(w, x):
         return function_jaxpr(energy, (w, x), 0)[0].out_avals[0].shape
 
-    jax.eval_shape(jax.shard_map(lambda w, x: (body(w, x), w)[1], mesh=mesh, in_specs=PartitionSpec(),
-                                 out_specs=PartitionSpec()), *args)
+    # The walkers sharded over the data axis, as in a multi-device step.
+    jax.eval_shape(jax.shard_map(lambda w, x: (body(w, x), w)[1], mesh=mesh,
+                                 in_specs=(PartitionSpec(), PartitionSpec("data")), out_specs=PartitionSpec()), *args)
     assert len(calls) == 1  # a new mesh, a new trace: through the rule at once

@@ -151,9 +151,12 @@ def function_jaxpr(
     `(closed_jaxpr, out_struct, out_static)`, as `eqx.filter_make_jaxpr` returns them.
     """
     key = cache_key(func, func_args, params_index)
-    # Whether `func` registers inside its rules does not depend on the mesh: known from a trace
-    # under another mesh, it saves the plain trace.
-    through_rules = _THROUGH_RULES.get(key[:-1], lambda: [False])  # one mutable flag per key
+    # Whether `func` registers inside its rules depends on none of the mesh, the shapes (a
+    # device's share of the batch) and the axes the arguments vary over: known from a trace at
+    # `init`, it saves the plain trace under `shard_map` (and tracing through the rules is right
+    # for any function, only slower).
+    statics = tuple(k for k in key[3] if k[0] == "static")
+    through_rules = _THROUGH_RULES.get((*key[:3], statics), lambda: [False])  # one mutable flag per key
     if not through_rules[0]:
         made = _cached_jaxpr(func, func_args, (key, False))
         if not registers_inside_rules(made[0].jaxpr):
