@@ -113,9 +113,10 @@ def check_block_ctor(name: Any, ctor: Callable[..., Any]) -> None:
         return
     methods = _kfac_jax_methods(ctor)
     if methods:
+        base = next((c.__name__ for c in ctor.__mro__ if c.__module__.startswith("eqx_kfac.")), None)
+        subclassing = f"subclasses eqx_kfac's {base} but " if base else ""
         raise TypeError(
-            f"The block {ctor.__name__} registered for {name!r} subclasses eqx_kfac's "
-            f"{next(c for c in ctor.__mro__ if c.__module__.startswith('eqx_kfac.')).__name__} but is written against "
+            f"The block {ctor.__name__} registered for {name!r} {subclassing}is written against "
             f"kfac-jax's block interface ({', '.join(methods)}), which eqx_kfac's blocks do not call. "
             "Subclass kfac_jax.KroneckerFactored or kfac_jax.DenseTwoKroneckerFactored instead (their "
             "kfac-jax methods are adapted), or write it as an eqx_kfac block: implement slice_init / "
