@@ -49,11 +49,14 @@ def _concrete_blocks(cls: type) -> set[type]:
 def test_the_list_holds_every_builtin_block():
     # The physics-informed blocks (`eqx_kfac._pinn`) take `taylor_dense` layers, whose statistics
     # come from a Taylor-mode forward pass that the kit's layer specs do not describe; they are
-    # checked against nested `jax.hessian` Gauss-Newton references in tests/test_pinn*.py.
+    # checked against nested `jax.hessian` Gauss-Newton references in tests/test_pinn*.py. The
+    # kfac-jax drop-in's adapter (`eqx_kfac.kfac_jax`) runs a user's kfac-jax-style block class,
+    # checked against kfac-jax's formulas in tests/test_kfac_jax_blocks.py.
     builtin = {
         c
         for c in _concrete_blocks(eqx_kfac.CurvatureBlock)
-        if c.__module__.startswith("eqx_kfac.") and not c.__module__.startswith("eqx_kfac._pinn")
+        if c.__module__.startswith("eqx_kfac.")
+        and not c.__module__.startswith(("eqx_kfac._pinn", "eqx_kfac.kfac_jax"))
     }
     assert builtin == set(BUILTIN_BLOCKS)
 

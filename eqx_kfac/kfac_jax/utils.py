@@ -19,9 +19,9 @@ from jax.typing import ArrayLike, DTypeLike
 from .._core.distributed import pmean
 from .._core.linalg import spd_inverse
 from .._core.tree import inner_products
-from .._curvature.blocks.statistics import WeightedMovingAverage as WeightedMovingAverage
 from .._curvature.estimators import default_batch_size_extractor as default_batch_size_extractor
 from .._curvature.operators.kronecker_powers import pi_adjusted_inverse
+from ._block_adapter import WeightedMovingAverage as WeightedMovingAverage
 
 # kfac-jax's type aliases (`kfac_jax/_src/utils/types.py`), for annotations.
 T = TypeVar("T")
