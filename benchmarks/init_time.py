@@ -39,7 +39,9 @@ The cases, each built by the project's own code:
 
 Columns: `init` (to the state's arrays ready), `step 0` (trace, compile, burn-in and run: the
 first call), `step 1` (the second call: a second compilation shows here), `later` (the median of
-the calls after that), in seconds, and each library's ratio to kfac-jax's.
+the calls after that), and each library's ratio to kfac-jax's; once in wall seconds, once in the
+process's CPU seconds (all threads: on a shared, loaded machine the work done varies less than
+the wall time).
 """
 
 import argparse
@@ -69,25 +71,28 @@ class _Times:
     def __init__(self):
         self.init = None
         self.steps: list[float] = []
+        self.cpu_init = None
+        self.cpu_steps: list[float] = []
 
     def timed(self, method, into_steps: bool):
         import jax
 
         @functools.wraps(method)
         def call(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out = jax.block_until_ready(method(*args, **kwargs))
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             if into_steps:
                 self.steps.append(elapsed)
+                self.cpu_steps.append(cpu)
             else:
-                self.init = elapsed
+                self.init, self.cpu_init = elapsed, cpu
             return out
 
         return call
 
     def record(self) -> dict:
-        return {"init": self.init, "steps": self.steps}
+        return {"init": self.init, "steps": self.steps, "cpu_init": self.cpu_init, "cpu_steps": self.cpu_steps}
 
 
 def _stub_modules(names, replace: bool = False) -> None:
@@ -309,24 +314,26 @@ def _run_one(args, lib: str, case: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def _columns(records: list[dict]) -> dict[str, float]:
-    """Medians over the repeats of init, step 0, step 1 and the later steps' median."""
+def _columns(records: list[dict], clock: str) -> dict[str, float]:
+    """Medians over the repeats of init, step 0, step 1 and the later steps' median, in wall
+    seconds (`clock=""`) or the process's CPU seconds, all threads (`clock="cpu_"`)."""
     return {
-        "init": statistics.median(r["init"] for r in records),
-        "step 0": statistics.median(r["steps"][0] for r in records),
-        "step 1": statistics.median(r["steps"][1] for r in records),
-        "later": statistics.median(statistics.median(r["steps"][2:]) for r in records),
+        "init": statistics.median(r[f"{clock}init"] for r in records),
+        "step 0": statistics.median(r[f"{clock}steps"][0] for r in records),
+        "step 1": statistics.median(r[f"{clock}steps"][1] for r in records),
+        "later": statistics.median(statistics.median(r[f"{clock}steps"][2:]) for r in records),
     }
 
 
-def _table(results: dict[tuple[str, str], list[dict]], cases, libs) -> str:
+def _table(results: dict[tuple[str, str], list[dict]], cases, libs, clock: str = "") -> str:
     names = ("init", "step 0", "step 1", "later")
-    rows = ["| case | lib | " + " | ".join(f"{n} (s) | x" for n in names) + " |",
+    unit = "CPU s" if clock else "s"
+    rows = ["| case | lib | " + " | ".join(f"{n} ({unit}) | x" for n in names) + " |",
             "|---|---|" + "---:|---:|" * len(names)]
     for case in cases:
-        reference = _columns(results[(case, "kfac-jax")])
+        reference = _columns(results[(case, "kfac-jax")], clock)
         for lib in libs:
-            col = _columns(results[(case, lib)])
+            col = _columns(results[(case, lib)], clock)
             cells = " | ".join(f"{col[n]:.3f} | {col[n] / reference[n]:.2f}" for n in names)
             rows.append(f"| {case} | {lib} | {cells} |")
     return "\n".join(rows)
@@ -356,7 +363,9 @@ def main() -> None:
             for lib in libs if repeat % 2 == 0 else reversed(libs):
                 results[(case, lib)].append(_run_one(args, lib, case))
                 print(f"repeat {repeat} {case} {lib}: {results[(case, lib)][-1]}", file=sys.stderr, flush=True)
-    print(_table(results, cases, libs))
+    print("Wall seconds:\n" + _table(results, cases, libs))
+    # On a shared machine the CPU time (the work done) varies less than the wall time.
+    print("\nCPU seconds (the process, all threads):\n" + _table(results, cases, libs, "cpu_"))
 
 
 if __name__ == "__main__":
