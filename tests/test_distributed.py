@@ -287,8 +287,10 @@ def _free_port():
 def test_two_processes_agree_with_one(tmp_path):
     """Two processes (2 CPU devices each, localhost coordinator) equal one device on the batch,
     with the state replicated and with it sharded over a 2 x 2 mesh."""
+    from conftest import TEST_XLA_FLAGS
+
     port = _free_port()
-    flags = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+    flags = "--xla_force_host_platform_device_count=2 " + TEST_XLA_FLAGS
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     env.pop("PYTEST_ADDOPTS", None)
     procs = [

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import TEST_XLA_FLAGS
 from models import mlp_classification
 
 import eqx_kfac
@@ -265,7 +266,7 @@ with warnings.catch_warnings(record=True) as caught:
 assert not any("will not be stored" in str(w.message) for w in caught), caught
 eqx_kfac.check_consecutive_faults(state, 20)
 """
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
     names = [path.name for path in tmp_path.iterdir()]
     assert any(name.startswith("jit__jitted_step-") for name in names), names
