@@ -68,14 +68,17 @@ def _import_train(checkout: pathlib.Path):
     return importlib.import_module("ferminet.train")
 
 
-def _config(atom: str, iterations: int, save_path: str, envelope: str):
+def ferminet_config(atom: str, iterations: int, save_path: str, envelope: str = "default", burn_in: int = 10):
+    """FermiNet's `atom` config, small: 64 walkers, two layers of widths (16, 4), two
+    determinants, no pretraining, `burn_in` MCMC burn-in steps, seed 23; the full envelope with
+    `envelope="full"`. Shared with `benchmarks/init_time.py`."""
     from ferminet.configs import atom as atom_config
 
     cfg = atom_config.get_config()
     cfg.system.atom = atom
     cfg.batch_size = 64
     cfg.pretrain.iterations = 0
-    cfg.mcmc.burn_in = 10
+    cfg.mcmc.burn_in = burn_in
     cfg.optim.iterations = iterations
     cfg.network.ferminet.hidden_dims = ((16, 4), (16, 4))
     cfg.network.determinants = 2
@@ -127,7 +130,7 @@ def main() -> None:
     steps = _StepTimes()
     logging.getLogger().addHandler(steps)  # absl's records propagate to the root logger
     with tempfile.TemporaryDirectory() as save_path:
-        cfg = atom_config.adjust_nuclear_charge(_config(args.atom, args.iterations, save_path, args.envelope))
+        cfg = atom_config.adjust_nuclear_charge(ferminet_config(args.atom, args.iterations, save_path, args.envelope))
         start = time.perf_counter()
         try:
             train.train(cfg)

@@ -171,23 +171,6 @@ def _time_core(times: _Times, dropin, params, rng, batches, func_state, steps: i
         params, state = out[0], out[1]
 
 
-def _ferminet_config(atom: str, steps: int, save_path: str):
-    from ferminet.configs import atom as atom_config
-
-    cfg = atom_config.get_config()
-    cfg.system.atom = atom
-    cfg.batch_size = 64
-    cfg.pretrain.iterations = 0
-    cfg.mcmc.burn_in = 2
-    cfg.optim.iterations = steps
-    cfg.network.ferminet.hidden_dims = ((16, 4), (16, 4))
-    cfg.network.determinants = 2
-    cfg.log.save_path = save_path
-    cfg.log.save_frequency = 1e6
-    cfg.debug.deterministic = True
-    return atom_config.adjust_nuclear_charge(cfg)
-
-
 def _ferminet(lib: str, atom: str, steps: int, args) -> dict:
     kfac_jax = _kfac_module(lib)
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -213,7 +196,10 @@ def _ferminet(lib: str, atom: str, steps: int, args) -> dict:
         cls.init, cls.step = times.timed(cls.init, False), times.timed(cls.step, True)
     with tempfile.TemporaryDirectory() as save_path:
         try:
-            train.train(_ferminet_config(atom.capitalize(), steps, save_path))
+            from ferminet.configs import atom as atom_config
+
+            config = ferminet_dropin.ferminet_config(atom.capitalize(), steps, save_path, burn_in=2)
+            train.train(atom_config.adjust_nuclear_charge(config))
         except _Done:
             pass
     return times.record()
