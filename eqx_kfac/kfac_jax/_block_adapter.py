@@ -135,8 +135,18 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _mutable(tree: Any) -> Any:
-    """`tree` with its `eqx_kfac.WeightedMovingAverage`s as kfac-jax's mutable averages."""
+def mutable_averages(tree: Any) -> Any:
+    """`tree` with its `eqx_kfac.WeightedMovingAverage`s as kfac-jax's mutable averages (new
+    ones, holding the same arrays).
+
+    **Arguments:**
+
+    - `tree`: any PyTree.
+
+    **Returns:**
+
+    The converted tree.
+    """
     return jax.tree.map(
         lambda a: WeightedMovingAverage(a.value, a.weight) if isinstance(a, _Average) else a,
         tree,
@@ -153,7 +163,7 @@ class State:
 
     def __init__(self, **fields: Any):
         for name, value in fields.items():
-            setattr(self, name, _mutable(value))
+            setattr(self, name, mutable_averages(value))
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)

@@ -5,6 +5,7 @@ factors of kfac-jax's state, so a subclass that overrides some of them (FermiNet
 repeated axes into the batch and calls `super()`) keeps `eqx_kfac`'s for the others.
 """
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from .._curvature.blocks import (
 )
 from .._curvature.blocks.statistics import WeightedMovingAverage as _Average
 from .._tracing.layer_data import EstimationData, LayerSpec
-from ._block_adapter import CurvatureBlock, LayerVjpData, State, WeightedMovingAverage
+from ._block_adapter import CurvatureBlock, LayerVjpData, mutable_averages, State
 
 # `eqx_kfac`'s Kronecker block of each tag: what kfac-jax's default rearrangement of the
 # parameters (weight as `(in, out)`, bias as an extra row) is for that layer.
@@ -59,9 +60,9 @@ class KroneckerFactored(CurvatureBlock):
             return _eqx_kronecker(cls, spec, "")(spec)
         return super()._eqx_block(spec)
 
-    @property
+    @functools.cached_property
     def _eqx(self) -> _EqxKronecker:
-        """`eqx_kfac`'s Kronecker block of this layer (for the methods not overridden)."""
+        """`eqx_kfac`'s Kronecker block of this layer (for the methods not overridden), built once."""
         return _eqx_kronecker(type(self), self._layer_tag_eq, "kfac-jax's default method")(self._layer_tag_eq)
 
     def _kronecker_state(self, state: State) -> _KroneckerState:
@@ -76,7 +77,7 @@ class KroneckerFactored(CurvatureBlock):
 
     def _with(self, state: State, kronecker: _KroneckerState) -> State:
         state = state.copy()
-        state.factors = tuple(WeightedMovingAverage(f.value, f.weight) for f in kronecker.factors)
+        state.factors = mutable_averages(kronecker.factors)
         state.cache = kronecker.cache
         return state
 
