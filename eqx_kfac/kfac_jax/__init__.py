@@ -76,3 +76,8 @@ from .layers_and_loss_tags import (
 )
 from .optimizer import Optimizer as Optimizer
 from .tag_graph_matcher import auto_register_tags as auto_register_tags
+from . import curvature_estimator as curvature_estimator
+from .optax_interface import (
+    OptaxPreconditioner as OptaxPreconditioner,
+    OptaxPreconditionState as OptaxPreconditionState,
+)
