@@ -33,9 +33,9 @@ The cases, each built by the project's own code:
   (the pipelines' own batch is the 60,000-image training set). The data loader's modules
   (`jaxline`, `tensorflow`, `tensorflow_datasets`, `more_itertools`) are stubbed; nothing of
   them runs. With the drop-in, `examples/training.py` (the jaxline experiment class, unused here)
-  is stubbed too: at import it and the modules it imports bind kfac-jax names the drop-in
-  lacks (`OptaxPreconditionState`, `curvature_estimator`, a subscriptable
-  `utils.WeightedMovingAverage`). FermiNet's `pyscf` is stubbed likewise (unused without pretraining).
+  is stubbed too: at import, `examples/optimizers.py` (which it imports) binds
+  `kfac_jax.curvature_estimator.BlockDiagonalCurvature.State`, which the drop-in lacks.
+  FermiNet's `pyscf` is stubbed likewise (unused without pretraining).
 
 Columns: `init` (to the state's arrays ready), `step 0` (trace, compile, burn-in and run: the
 first call), `step 1` (the second call: a second compilation shows here), `later` (the median of
@@ -248,8 +248,8 @@ def _example(lib: str, case: str, steps: int, args) -> dict:
     here = pathlib.Path(__file__).parent.resolve()
     sys.path[:] = [str(args.kfac_jax)] + [p for p in sys.path if pathlib.Path(p or ".").resolve() != here]
     if lib != "kfac-jax":
-        # examples/training.py (the jaxline experiment, unused here) and what it imports bind
-        # kfac-jax names at import that the drop-in lacks or types differently.
+        # examples/training.py (the jaxline experiment, unused here) imports examples/optimizers.py,
+        # which binds `BlockDiagonalCurvature.State` at import: the drop-in lacks it.
         print("note: examples.training stubbed for eqx_kfac.kfac_jax", file=sys.stderr)
         _stub_modules(["examples.training"], replace=True)
     init_fn, loss, batch = _example_problem(case, args.batch_size)
