@@ -177,7 +177,11 @@ def test_uneven_batch_is_rejected():
     model, (x, y) = _problem()
     batch = (x[:14], y[:14])
     opt = _optimizer("ggn_exact", "fixed", devices=MultiDevice())
-    state = opt.init(model, jax.random.key(0), batch)
+    # `init` traces the loss as the step does, on each device's share: it says so at once.
+    with pytest.raises(ValueError, match=r"batch size 14.*multiple of 4"):
+        opt.init(model, jax.random.key(0), batch)
+    # A state made for an uneven batch later (an epoch's last batch) is refused by the step.
+    state = opt.state_for_batch(opt.init(model, jax.random.key(0), (x[:16], y[:16])), batch)
     with pytest.raises(ValueError, match=r"batch size 14.*multiple of 4"):
         opt.step(model, state, jax.random.key(1), batch=batch, **FIXED)
 

@@ -49,7 +49,7 @@ def test_the_drop_in_names_are_the_pages():
     utils_row = next(line for line in (DOCS / "migrating.md").read_text().splitlines() if line.startswith("| `kfac_jax.utils` |"))
     listed = _names(utils_row.split("|")[2])
     assert len(listed) > 30 and [n for n in listed if not hasattr(kfac_jax.utils, n)] == []
-    missing = _names(_paragraph("Not provided:").split("(")[0]) + ["OptaxPreconditioner", "HAIKU_BIASES", "LayerData"]
+    missing = _names(_paragraph("Not provided:").split("(")[0]) + ["HAIKU_BIASES", "LayerData"]
     assert [n for n in missing if hasattr(kfac_jax, n)] == []
     refused = set(_names(_paragraph("`kfac_jax.Optimizer`'s keywords that map onto no part"))) & set(REFUSED)
     assert refused == set(REFUSED)

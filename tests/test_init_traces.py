@@ -83,7 +83,9 @@ def test_a_function_registering_inside_its_rules_is_traced_through_them_at_once_
 
     args = (jnp.ones((3, 2)), jnp.ones((5, 3)))
     closed, _, _ = function_jaxpr(energy, args, 0)
-    assert len(calls) == 2  # the plain trace (no loss found), then through the rule
+    # A custom-derivative function is traced through its rule first: the rule's call of `energy`
+    # is the only trace of its primal (no plain trace before it, as FermiNet's energy had).
+    assert len(calls) == 1
     assert any(e.primitive.name == "loss_tag" for e in closed.jaxpr.eqns)
     calls.clear()
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -95,3 +97,26 @@ def test_a_function_registering_inside_its_rules_is_traced_through_them_at_once_
     jax.eval_shape(jax.shard_map(lambda w, x: (body(w, x), w)[1], mesh=mesh,
                                  in_specs=(PartitionSpec(), PartitionSpec("data")), out_specs=PartitionSpec()), *args)
     assert len(calls) == 1  # a new mesh, a new trace: through the rule at once
+
+
+def test_a_custom_derivative_function_registering_outside_its_rule_is_traced_plainly():
+    """A `custom_jvp` function whose primal registers the loss and whose rule does not: the trace
+    through the rule finds no loss, so the plain trace is made and used."""
+
+    @jax.custom_jvp
+    def loss(w, x):
+        out = x @ w
+        eqx_kfac.register_normal_predictive_distribution(out)
+        return jnp.mean(out**2)
+
+    @loss.defjvp
+    def loss_jvp(primals, tangents):
+        w, x = primals
+        return jnp.mean((x @ w) ** 2), jnp.mean(2 * (x @ w) * (x @ tangents[0]))
+
+    args = (jnp.ones((3, 2)), jnp.ones((5, 3)))
+    closed, _, _ = function_jaxpr(loss, args, 0)
+    assert [e.primitive.name for e in closed.jaxpr.eqns] == ["custom_jvp_call"]
+    inner = closed.jaxpr.eqns[0].params["call_jaxpr"].jaxpr
+    assert any(e.primitive.name == "loss_tag" for e in inner.eqns)
+    assert eqx.filter_eval_shape(abstract_outputs(loss), *args).shape == ()

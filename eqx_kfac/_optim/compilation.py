@@ -97,6 +97,44 @@ def _placed(optimizer: AbstractOptimizer, args: tuple[Any, ...]) -> tuple[Any, .
     return _distributed.placed_on_mesh(args, device_mesh(optimizer), optimizer.pmap_axis_name, 3, is_state)
 
 
+def as_the_step_traces(
+    optimizer: AbstractOptimizer, fn: Callable[[tuple[Any, ...]], Any], params: Any, func_state: Any,
+    rng: Any, batch: Any,
+) -> Any:
+    """`fn(func_args)` of the function's arguments as the step traces them: under the
+    multi-device step's `shard_map`, with a device's share of the batch (traced, not run), or
+    plainly. What `fn` traces and caches there (the loss, the graph matcher's work, the estimator)
+    the step finds cached: FermiNet's first step traced them all again under its mesh (and `init`
+    traces no global batch the step never sees).
+
+    **Arguments:**
+
+    - `optimizer`: the `Optimizer`.
+    - `fn`: a function of the value function's arguments `(params, [func_state], [rng], batch)`;
+      its result may be any Python object.
+    - `params`, `func_state`, `rng`, `batch`: as for `Optimizer.init`.
+
+    **Returns:**
+
+    `fn`'s result.
+    """
+    function = optimizer.function
+    if not optimizer.multi_device or optimizer.shard_state:
+        return fn(function.args(params, func_state, rng, function.process(batch)))
+    result = []
+
+    def body(params: Any, func_state: Any, rng: Any, batch: Any) -> tuple[()]:
+        _, func_key = function.keys(rng, optimizer.pmap_axis_name)
+        result.append(fn(function.args(params, func_state, func_key, function.process(batch))))
+        return ()
+
+    mesh, axis = device_mesh(optimizer), optimizer.pmap_axis_name
+    eqx.filter_eval_shape(
+        lambda *a: _distributed.sharded_call(body, mesh, axis, a, batch_index=3), params, func_state, rng, batch
+    )
+    return result[0]
+
+
 def initial_state(
     optimizer: AbstractOptimizer, build: Callable[..., OptimizerState], *args: Any
 ) -> OptimizerState:

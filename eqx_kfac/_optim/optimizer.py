@@ -42,7 +42,7 @@ from .arguments import (
 )
 from .burnin import BurnedIn, run_burnin, undone_if_not_processed
 from .calibration import calibrated
-from .compilation import compiled_step, initial_state
+from .compilation import as_the_step_traces, compiled_step, initial_state
 from .damping import AbstractDampingRule, LevenbergMarquardtDamping
 from .direction import AbstractDirection, PreconditionedGradient
 from .execution import MultiDevice, StepOptions
@@ -146,10 +146,14 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         An `Optimizer.State`.
         """
         check_func_state(self.function.has_state, func_state)
+
+        def checked_estimator(func_args: tuple[Any, ...]) -> BlockDiagonalCurvature:
+            # Checked on the trace the graph matcher reuses (the loss is traced once, not twice).
+            check_scalar_loss(abstract_outputs(self.function.value), self.function.loss_of, func_args)
+            return self.estimators(func_args, report=True)[0]
+
+        estimator = as_the_step_traces(self, checked_estimator, params, func_state, rng, batch)
         func_args = self.function.args(params, func_state, rng, self.function.process(batch))
-        # Checked on the trace the graph matcher reuses (the loss is traced once, not twice).
-        check_scalar_loss(abstract_outputs(self.function.value), self.function.loss_of, func_args)
-        estimator, _ = self.estimators(func_args, report=True)
         if not self.multi_device:
             # (Under `multi_device` the loss may use collectives, which need the step's map.)
             self.preconditioner.check_loss(self.function.loss_of, func_args, estimator)

@@ -30,6 +30,7 @@ from .jaxpr_interpreter import iter_eqns
 from .tags import is_loss_tag_eqn
 
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_CUSTOM_FUNCTIONS = (jax.custom_jvp, jax.custom_vjp)
 
 
 def registers_inside_rules(jaxpr: Jaxpr) -> bool:
@@ -43,8 +44,11 @@ def registers_inside_rules(jaxpr: Jaxpr) -> bool:
 
     `True` when the function should be traced through its derivative rules.
     """
-    eqns = list(iter_eqns(jaxpr))
-    return not any(is_loss_tag_eqn(e) for e in eqns) and any(e.primitive.name in _CUSTOM for e in eqns)
+    return not _registers_loss(jaxpr) and any(e.primitive.name in _CUSTOM for e in iter_eqns(jaxpr))
+
+
+def _registers_loss(jaxpr: Jaxpr) -> bool:
+    return any(is_loss_tag_eqn(e) for e in iter_eqns(jaxpr))
 
 
 def through_derivative_rules(func: Callable[..., Any], params_index: int) -> Callable[..., Any]:
@@ -157,6 +161,14 @@ def function_jaxpr(
     # for any function, only slower).
     statics = tuple(k for k in key[3] if k[0] == "static")
     through_rules = _THROUGH_RULES.get((*key[:3], statics), lambda: [False])  # one mutable flag per key
+    if not through_rules[0] and isinstance(func, _CUSTOM_FUNCTIONS):
+        # The function is itself a custom-derivative function (FermiNet's energy): its rule is
+        # traced first, and the plain trace (the whole primal computation, a Laplacian) only if
+        # the rule registers no loss.
+        made = _cached_jaxpr(through_derivative_rules(func, params_index), func_args, (key, True))
+        if _registers_loss(made[0].jaxpr):
+            through_rules[0] = True
+            return made
     if not through_rules[0]:
         made = _cached_jaxpr(func, func_args, (key, False))
         if not registers_inside_rules(made[0].jaxpr):
@@ -186,8 +198,8 @@ def abstract_outputs(func: Callable[..., Any], params_index: int = 0) -> Callabl
     """
 
     def outputs(*args: Any) -> Any:
-        key = (cache_key(func, args, params_index), False)  # the plain trace: the same outputs
-        _, out_struct, out_static = _cached_jaxpr(func, args, key)
+        # Through the rules or not, the trace has the function's outputs.
+        _, out_struct, out_static = function_jaxpr(func, args, params_index)
         return eqx.combine(jax.tree.map(_zeros, out_struct), out_static)
 
     return outputs

@@ -2,7 +2,7 @@
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -182,6 +182,8 @@ class BlockDiagonalCurvature(AbstractCurvatureEstimator):
     Layers applied inside `jax.lax.scan` over stacked parameters get one block per slice (the
     block is vmapped over the stack axis).
     """
+
+    State: ClassVar[type[EstimatorState]] = EstimatorState
 
     func: Callable[..., Any] = eqx.field(static=True)
     params_index: int = eqx.field(static=True)
