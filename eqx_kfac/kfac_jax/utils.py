@@ -1,27 +1,40 @@
 """`kfac_jax.utils` as kfac-jax code uses it: the type aliases, the helpers of kfac-jax's
 replicated calling convention (one copy of the parameters per local device, a leading device axis
-on the batch and the keys), and the PyTree arithmetic of its README and examples.
+on the batch and the keys), the PyTree arithmetic of its README and examples (defined in
+`_utils_arithmetic`), and what `examples/training.py` uses besides: `serialize_state_tree`,
+`host_all_gather` and `MultiChunkAccumulator`.
 
 With `eqx_kfac.kfac_jax.Optimizer(multi_device=True)`, arguments made by these helpers are taken
 as kfac-jax takes them (see `Optimizer.step`); `eqx_kfac.Optimizer` takes plain values instead.
 """
 
 import functools
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 from jax.typing import ArrayLike, DTypeLike
 
 from .._core.distributed import pmean
-from .._core.linalg import spd_inverse
-from .._core.tree import inner_products
 from .._curvature.estimators import default_batch_size_extractor as default_batch_size_extractor
-from .._curvature.operators.kronecker_powers import pi_adjusted_inverse
 from ._block_adapter import WeightedMovingAverage as WeightedMovingAverage
+from ._utils_arithmetic import (
+    default_add_function as default_add_function,
+    inner_product as inner_product,
+    norm as norm,
+    per_parameter_norm as per_parameter_norm,
+    pi_adjusted_kronecker_inverse as pi_adjusted_kronecker_inverse,
+    product as product,
+    psd_inv as psd_inv,
+    scalar_div as scalar_div,
+    scalar_mul as scalar_mul,
+    squared_norm as squared_norm,
+    sum_of_objects as sum_of_objects,
+    weighted_sum_of_objects as weighted_sum_of_objects,
+)
 
 # kfac-jax's type aliases (`kfac_jax/_src/utils/types.py`), for annotations.
 T = TypeVar("T")
@@ -70,13 +83,17 @@ def _split_over_devices(x: ArrayLike, axis_name: str | None) -> jax.Array:
     return jax.device_put(x, _over_devices(axis_name))
 
 
+def _stacked_copies(tree: PyTree) -> PyTree:
+    """`jax.local_device_count()` copies of every leaf, stacked along a new leading axis."""
+    n = jax.local_device_count()
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+
 @functools.cache
 def _replicator(axis_name: str | None) -> Callable[[PyTree], PyTree]:
     """One compiled program that stacks `jax.local_device_count()` copies of every leaf, one on
     each device (one dispatch for the whole tree)."""
-    n = jax.local_device_count()
-    stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
-    return jax.jit(stack, out_shardings=_over_devices(axis_name))
+    return jax.jit(_stacked_copies, out_shardings=_over_devices(axis_name))
 
 
 def replicate_all_local_devices(obj: PyTree, axis_name: str | None = None) -> PyTree:
@@ -294,169 +311,242 @@ def psum_if_pmap(obj: PyTree, axis_name: str | None) -> PyTree:
     return jax.lax.psum(obj, axis_name) if in_pmap(axis_name) else obj
 
 
-# --- PyTree arithmetic ------------------------------------------------------------------------
-
-
-def product(iterable_object: Iterable[Any]) -> Any:
-    """The product of the elements (`math.prod`).
-
-    **Arguments:**
-
-    - `iterable_object`: numbers or arrays.
-
-    **Returns:**
-
-    Their product (`1` for none).
-    """
-    return math.prod(iterable_object)
-
-
-def inner_product(obj1: PyTree, obj2: PyTree, in_float64: bool = False) -> jax.Array:
-    """The inner product of two PyTrees of the same structure, `<vec(obj1), vec(obj2)>`.
+def host_all_gather(x: PyTree) -> PyTree:
+    """Every process's value of each leaf of `x`, stacked (kfac-jax's function): in a single
+    process `x` itself, as kfac-jax returns it; across processes
+    `jax.experimental.multihost_utils.process_allgather` (a new leading axis of
+    `jax.process_count()`).
 
     **Arguments:**
 
-    - `obj1`, `obj2`: PyTrees of arrays.
-    - `in_float64`: compute in float64 (needs `jax_enable_x64`).
+    - `x`: a PyTree of arrays, of the same shapes on every process.
 
     **Returns:**
 
-    A scalar.
+    `x`, or the PyTree of the gathered arrays.
     """
-    if in_float64:
-        obj1, obj2 = (jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), o) for o in (obj1, obj2))
-    return inner_products([(obj1, obj2)])[0]
+    if jax.process_count() == 1:
+        return x
+    return jax.tree.map(jnp.asarray, multihost_utils.process_allgather(x))
 
 
-def squared_norm(obj: PyTree) -> jax.Array:
-    """The squared Euclidean norm of a PyTree of arrays.
+# --- what examples/training.py uses besides -----------------------------------------------------
+
+
+def _named_children(instance: Any) -> dict[str, Any] | None:
+    """The children of a PyTree node whose children are named attributes (an `eqx.Module`'s
+    fields but its static ones, a kfac-jax-style block `State`'s fields), by name; `None` for
+    any other object."""
+    if isinstance(instance, WeightedMovingAverage):
+        return {"weight": instance.weight, "value": instance.value}
+    if instance is None:
+        return None
+    children = jax.tree_util.tree_flatten_with_path(instance, is_leaf=lambda x: x is not instance)[0]
+    if not all(len(path) == 1 and isinstance(path[0], jax.tree_util.GetAttrKey) for path, _ in children):
+        return None  # a leaf (its path is empty), or a node whose children are not attributes
+    return {path[0].name: child for path, child in children}
+
+
+def serialize_state_tree(instance: PyTree) -> PyTree:
+    """`instance` with every state object as a dict of its fields and its class's name under
+    `"__class__"`, recursively (kfac-jax's function, which does so for its `State` classes).
+
+    The state objects here are the PyTree nodes whose children are named attributes: an
+    `eqx.Module` (`Optimizer.State` and every state in it) with its fields but its static ones, a
+    kfac-jax-style block `State`, and kfac-jax's `WeightedMovingAverage` (`weight`, `value`).
+    Lists, tuples (named tuples included, as plain tuples), sets and dicts are rebuilt with their
+    entries serialised; anything else is returned as it is. The arrays of the result are those of
+    `instance`, and its only other leaves are the class names.
 
     **Arguments:**
 
-    - `obj`: a PyTree of arrays.
+    - `instance`: a PyTree, e.g. an optimizer state.
 
     **Returns:**
 
-    A scalar.
+    The serialised PyTree.
     """
-    return inner_product(obj, obj)
+    if isinstance(instance, list):
+        return [serialize_state_tree(v) for v in instance]
+    if isinstance(instance, tuple):
+        return tuple(serialize_state_tree(v) for v in instance)
+    if isinstance(instance, set):
+        return {serialize_state_tree(v) for v in instance}
+    if isinstance(instance, dict):
+        return {k: serialize_state_tree(v) for k, v in instance.items()}
+    fields = _named_children(instance)
+    if fields is None:
+        return instance
+    cls = type(instance)
+    return {**{k: serialize_state_tree(v) for k, v in fields.items()}, "__class__": f"{cls.__module__}.{cls.__qualname__}"}
 
 
-def norm(obj: PyTree) -> jax.Array:
-    """The Euclidean norm of a PyTree of arrays.
+def _quotient(value: PyTree, weight: ArrayLike) -> PyTree:
+    """`value / weight`, `weight` (a number, or one per device) against the leading axes."""
+    return jax.tree.map(lambda x: x / jnp.reshape(weight, jnp.shape(weight) + (1,) * (jnp.ndim(x) - jnp.ndim(weight))), value)
 
-    **Arguments:**
 
-    - `obj`: a PyTree of arrays.
+_jit_quotient = jax.jit(_quotient)
 
-    **Returns:**
 
-    A scalar.
+@functools.cache
+def _device_mean_of_quotient() -> Callable[[PyTree, ArrayLike], PyTree]:
+    """kfac-jax's `pmap_sync_and_divide_value` on the replicated convention's arrays: each
+    device's `value / weight`, averaged over the devices, one copy on each device."""
+    return jax.jit(lambda value, weight: _stacked_copies(get_mean(_quotient(value, weight))), out_shardings=_over_devices(None))
+
+
+class MultiChunkAccumulator(Generic[T]):
+    """A weighted sum of PyTrees added chunk by chunk, and its normalised value (kfac-jax's
+    class, mutable as kfac-jax's: `add` and `clear` change it in place; a PyTree of
+    `accumulator` and `weight`).
+
+    `add(v, w)` adds `w * v` to the accumulator and `w` to the weight; `value` is the accumulator
+    divided by the weight. With `multi_device=True` (values of the replicated convention, e.g. a
+    `jax.pmap`'s outputs, and a weight with one entry per device) `value` is each device's
+    quotient averaged over the devices, one copy per device, as kfac-jax's `pmean`.
     """
-    return jnp.sqrt(squared_norm(obj))
+
+    def __init__(self, init_obj_value: T | None, weight: ArrayLike | None, multi_device: bool):
+        """**Arguments:**
+
+        - `init_obj_value`: the initial (not normalised) accumulator, or `None` for none.
+        - `weight`: the weight counted in it.
+        - `multi_device`: whether the accumulated values follow the replicated convention.
+        """
+        self._accumulator = init_obj_value
+        self._weight = weight
+        self._multi_device = multi_device
+
+    @property
+    def accumulator(self) -> T | None:
+        """The weighted sum so far (not normalised)."""
+        return self._accumulator
+
+    @property
+    def weight(self) -> ArrayLike | None:
+        """The total weight so far."""
+        return self._weight
+
+    @property
+    def multi_device(self) -> bool:
+        """Whether the values follow the replicated convention."""
+        return self._multi_device
+
+    @property
+    def value(self) -> T | None:
+        """The accumulator divided by the weight (averaged over the devices with `multi_device`)."""
+        if tree_is_empty(self._accumulator):
+            return self._accumulator
+        if self._multi_device:
+            return _device_mean_of_quotient()(self._accumulator, self._weight)
+        return _jit_quotient(self._accumulator, self._weight)
+
+    def clear(self) -> None:
+        """Sets the accumulator and the weight to `None`."""
+        self._accumulator = None
+        self._weight = None
+
+    def value_and_clear(self) -> T | None:
+        """The normalised value, then `clear()`.
+
+        **Returns:**
+
+        `value` before clearing.
+        """
+        value = self.value
+        self.clear()
+        return value
+
+    def add(self, value_obj: T, weight: ArrayLike = 1) -> None:
+        """Adds `weight * value_obj` to the accumulator and `weight` to the weight (in place).
+
+        **Arguments:**
+
+        - `value_obj`: a PyTree like the accumulator's (any, for the first chunk).
+        - `weight`: a Python number, or an array shaped like the accumulator's weight.
+        """
+        value_obj = jax.tree.map(lambda x: x * weight, value_obj)
+        if self._accumulator is None:
+            self._accumulator = value_obj
+            self._weight = _first_weight(self._weight, weight)
+            return
+        if tree_is_empty(self._accumulator) != tree_is_empty(value_obj):
+            which = "an empty" if tree_is_empty(self._accumulator) else "a non-empty"
+            raise ValueError(
+                f"MultiChunkAccumulator.add: `value_obj` must be a PyTree like the accumulator, which holds {which} "
+                "PyTree; add values of one structure to one accumulator."
+            )
+        if not tree_is_empty(value_obj):
+            self._accumulator = jax.tree.map(jnp.add, self._accumulator, value_obj)
+        self._weight = self._weight + weight
+
+    @classmethod
+    def zeros_like(cls, obj: T, multi_device: bool) -> "MultiChunkAccumulator[T]":
+        """An accumulator of zeros like `obj`, weight zero (`int32`, one per device with
+        `multi_device`).
+
+        **Arguments:**
+
+        - `obj`: a PyTree of arrays (per device, with a leading device axis, with `multi_device`).
+        - `multi_device`: whether the values follow the replicated convention.
+
+        **Returns:**
+
+        The accumulator.
+        """
+        zeros = jax.tree.map(jnp.zeros_like, obj)
+        weight = jnp.zeros([], dtype=jnp.int32)
+        if multi_device:
+            zeros, weight = broadcast_all_local_devices(zeros), replicate_all_local_devices(weight)
+        return cls(zeros, weight, multi_device)
+
+    @classmethod
+    def empty(cls, multi_device: bool) -> "MultiChunkAccumulator[Any]":
+        """An accumulator with nothing in it (its first `add` sets the structure).
+
+        **Arguments:**
+
+        - `multi_device`: whether the values follow the replicated convention.
+
+        **Returns:**
+
+        The accumulator, weight zero (`int32`, one per device with `multi_device`).
+        """
+        weight = jnp.zeros([], dtype=jnp.int32)
+        return cls(None, replicate_all_local_devices(weight) if multi_device else weight, multi_device)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._accumulator!r}, {self._weight!r}, {self._multi_device})"
+
+    def copy(self) -> "MultiChunkAccumulator[T]":
+        """A new accumulator holding the same arrays.
+
+        **Returns:**
+
+        The copy.
+        """
+        leaves, treedef = jax.tree.flatten(self)
+        return jax.tree.unflatten(treedef, leaves)
 
 
-def per_parameter_norm(obj: PyTree, key_prefix: str) -> Mapping[str, jax.Array]:
-    """The norm of each leaf, keyed `f"{key_prefix}({path})"` (paths joined by `/`).
-
-    **Arguments:**
-
-    - `obj`: a PyTree of arrays.
-    - `key_prefix`: the keys' prefix.
-
-    **Returns:**
-
-    A dict of scalars.
-    """
-    leaves = jax.tree_util.tree_leaves_with_path(obj)
-    name = lambda path: "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-    return {f"{key_prefix}({name(path)})": jnp.linalg.norm(x) for path, x in leaves}
+def _first_weight(weight: Any, new: ArrayLike) -> Any:
+    """The weight after the first chunk: `new` (filled into the shape of `weight` when a Python
+    number), as kfac-jax sets it."""
+    if isinstance(new, (float, int)):
+        return jnp.full_like(weight, new)
+    if not isinstance(new, jax.Array):
+        raise ValueError(f"MultiChunkAccumulator.add: `weight` must be a float, an int or a jax.Array, not {type(new).__name__}.")
+    if jnp.shape(weight) != new.shape:
+        raise ValueError(
+            f"MultiChunkAccumulator.add: an array `weight` must have the shape of the accumulator's weight, "
+            f"{jnp.shape(weight)}, not {new.shape} (or pass a Python number)."
+        )
+    return new
 
 
-def scalar_mul(obj: PyTree, scalar: ArrayLike) -> PyTree:
-    """Every leaf of `obj` times `scalar`.
-
-    **Arguments:**
-
-    - `obj`: a PyTree of arrays.
-    - `scalar`: a number.
-
-    **Returns:**
-
-    The scaled PyTree.
-    """
-    return jax.tree.map(lambda x: x * scalar, obj)
-
-
-def scalar_div(obj: PyTree, scalar: ArrayLike) -> PyTree:
-    """Every leaf of `obj` divided by `scalar`.
-
-    **Arguments:**
-
-    - `obj`: a PyTree of arrays.
-    - `scalar`: a number.
-
-    **Returns:**
-
-    The scaled PyTree.
-    """
-    return jax.tree.map(lambda x: x / scalar, obj)
-
-
-def weighted_sum_of_objects(objects: Sequence[PyTree], coefficients: Sequence[ArrayLike]) -> PyTree:
-    """`sum_i coefficients[i] * objects[i]` for PyTrees of the same structure.
-
-    **Arguments:**
-
-    - `objects`: the PyTrees.
-    - `coefficients`: one number each.
-
-    **Returns:**
-
-    The weighted sum.
-    """
-    return jax.tree.map(lambda *xs: sum(c * x for c, x in zip(coefficients, xs, strict=True)), *objects)
-
-
-def sum_of_objects(objects: Sequence[PyTree]) -> PyTree:
-    """The sum of PyTrees of the same structure.
-
-    **Arguments:**
-
-    - `objects`: the PyTrees.
-
-    **Returns:**
-
-    Their sum.
-    """
-    return weighted_sum_of_objects(objects, [1] * len(objects))
-
-
-def psd_inv(matrix: jax.Array) -> jax.Array:
-    """The inverse of a symmetric positive-definite matrix (`eqx_kfac`'s Cholesky inverse).
-
-    **Arguments:**
-
-    - `matrix`: an `(n, n)` matrix, or a stack of them.
-
-    **Returns:**
-
-    The inverse.
-    """
-    return spd_inverse(matrix)
-
-
-def pi_adjusted_kronecker_inverse(*factors: jax.Array, damping: ArrayLike) -> tuple[jax.Array, ...]:
-    """The pi-adjusted damped inverses of Kronecker factors: `(f_1 ⊗ ... ⊗ f_k + damping I)^-1`
-    is approximated by the Kronecker product of the returned matrices.
-
-    **Arguments:**
-
-    - `factors`: the Kronecker factors, square matrices.
-    - `damping`: the damping.
-
-    **Returns:**
-
-    One inverse factor per factor.
-    """
-    return tuple(pi_adjusted_inverse(factors, damping).factors)
+jax.tree_util.register_pytree_node(
+    MultiChunkAccumulator,
+    lambda a: ((a.accumulator, a.weight), (a.multi_device,)),
+    lambda fixed, arrays: MultiChunkAccumulator(*arrays, *fixed),
+)
