@@ -32,10 +32,9 @@ The cases, each built by the project's own code:
   (`data_iterator=`, `global_step_int=`), on random MNIST-shaped batches of `--batch-size`
   (the pipelines' own batch is the 60,000-image training set). The data loader's modules
   (`jaxline`, `tensorflow`, `tensorflow_datasets`, `more_itertools`) are stubbed; nothing of
-  them runs. With the drop-in, `examples/training.py` (the jaxline experiment class, unused here)
-  is stubbed too: at import, `examples/optimizers.py` (which it imports) binds
-  `kfac_jax.curvature_estimator.BlockDiagonalCurvature.State`, which the drop-in lacks.
-  FermiNet's `pyscf` is stubbed likewise (unused without pretraining).
+  them runs. `examples/training.py` (the jaxline experiment, which the experiments' modules
+  import) is imported unchanged by both libraries. FermiNet's `pyscf` is stubbed likewise (unused
+  without pretraining).
 
 Columns: `init` (to the state's arrays ready), `step 0` (trace, compile, burn-in and run: the
 first call), `step 1` (the second call: a second compilation shows here), `later` (the median of
@@ -95,19 +94,18 @@ class _Times:
         return {"init": self.init, "steps": self.steps, "cpu_init": self.cpu_init, "cpu_steps": self.cpu_steps}
 
 
-def _stub_modules(names, replace: bool = False) -> None:
+def _stub_modules(names) -> None:
     """Empty modules (every attribute a fresh class) for `names` and their parents where the
-    real ones are missing (and for `names` themselves with `replace`)."""
+    real ones are missing."""
     for name in names:
         parts = name.split(".")
         for i in range(1, len(parts) + 1):
             full = ".".join(parts[:i])
-            if full in sys.modules and not (replace and full == name):
+            if full in sys.modules:
                 continue
             try:
-                if not (replace and full == name):
-                    __import__(full)
-                    continue
+                __import__(full)
+                continue
             except ImportError:
                 pass
             module = types.ModuleType(full)
@@ -247,11 +245,6 @@ def _example(lib: str, case: str, steps: int, args) -> dict:
     # kfac-jax's `examples` is a namespace package: this folder's examples.py would win.
     here = pathlib.Path(__file__).parent.resolve()
     sys.path[:] = [str(args.kfac_jax)] + [p for p in sys.path if pathlib.Path(p or ".").resolve() != here]
-    if lib != "kfac-jax":
-        # examples/training.py (the jaxline experiment, unused here) imports examples/optimizers.py,
-        # which binds `BlockDiagonalCurvature.State` at import: the drop-in lacks it.
-        print("note: examples.training stubbed for eqx_kfac.kfac_jax", file=sys.stderr)
-        _stub_modules(["examples.training"], replace=True)
     init_fn, loss, batch = _example_problem(case, args.batch_size)
     # examples/optimizers.py's create_optimizer("kfac", ...) for these settings (no schedules,
     # batch norm "diag": no extra keywords).
