@@ -374,6 +374,10 @@ def test_function_forms_of_the_examples():
     assert o.make_func_args("p", None, None, "b", has_state=False, has_rng=False) == ("p", "b")
     assert o.make_func_args("p", "s", k, "b", has_state=True, has_rng=True) == ("p", "s", k, "b")
     assert o.make_func_args("p", None, k, "b", has_state=False, has_rng=True) == ("p", k, "b")
+    # examples/training.py's evaluation passes `()` as the state of a stateless model.
+    assert o.make_func_args("p", (), None, "b", has_state=False, has_rng=False) == ("p", "b")
+    with pytest.raises(ValueError, match="func_state"):
+        o.make_func_args("p", None, None, "b", has_state=True, has_rng=False)
     with pytest.raises(ValueError, match="rng=None"):
         o.make_func_args("p", None, None, "b", has_state=False, has_rng=True)
     loss = jnp.asarray(1.0)

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import PyTree
 
 from .utils import get_first, replicate_all_local_devices
@@ -43,6 +44,44 @@ def unreplicated(tree: PyTree) -> PyTree:
     The PyTree of one copy.
     """
     return get_first(tree)
+
+
+def first_copy_on_host(tree: PyTree) -> PyTree:
+    """The first device's copy of a replicated PyTree, read into host (NumPy) arrays: no program
+    is compiled (`unreplicated` compiles one per tree), for `init`, which runs once (FermiNet's
+    `init` spent 0.07 s compiling them).
+
+    **Arguments:**
+
+    - `tree`: a PyTree of per-device arrays (`None` stays `None`).
+
+    **Returns:**
+
+    The PyTree of NumPy arrays of one copy.
+    """
+    def first(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.ndim == 0:
+            return np.asarray(x)[0] if isinstance(x, np.ndarray) and x.ndim else x
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return get_first(x)
+        return np.asarray(x.addressable_shards[0].data).reshape(x.shape[1:])
+
+    return jax.tree.map(first, tree)
+
+
+def merged_batch_shapes(batch: PyTree) -> PyTree:
+    """`merged_batch(batch)`'s shapes and dtypes (`jax.ShapeDtypeStruct`s), without computing it:
+    `init` only traces the batch.
+
+    **Arguments:**
+
+    - `batch`: a PyTree of `(devices, examples, ...)` arrays.
+
+    **Returns:**
+
+    The PyTree of `jax.ShapeDtypeStruct`s of `(devices * examples, ...)`.
+    """
+    return jax.eval_shape(merged_batch, batch)
 
 
 def merged_batch(batch: PyTree) -> PyTree:

@@ -25,7 +25,7 @@ from .._optim.value_function import ValueFunction
 from ._keywords import built
 from .utils import Array as Array, Numeric as Numeric, ScheduleType as ScheduleType
 from .utils import ValueAndGradFunc as ValueAndGradFunc, ValueFunc as ValueFunc
-from ._replicated import is_per_device, merged_batch, replicated, unreplicated
+from ._replicated import first_copy_on_host, is_per_device, merged_batch, merged_batch_shapes, replicated, unreplicated
 
 # kfac-jax's names of the function's argument and output forms.
 FuncArgsVariants = tuple[Any, ...]
@@ -153,7 +153,12 @@ class Optimizer(AbstractKFACOptimizer):
         """
         if not self._replicated_convention(rng):
             return super().init(params, rng, batch, func_state)
-        state = super().init(unreplicated(params), unreplicated(rng), merged_batch(batch), unreplicated(func_state))
+        # One copy read on the host and the batch's shapes: `init` traces the batch and builds the
+        # state from one copy, in one compiled program.
+        state = super().init(
+            first_copy_on_host(params), first_copy_on_host(rng), merged_batch_shapes(batch),
+            first_copy_on_host(func_state),
+        )
         return replicated(state, self.pmap_axis_name)
 
     def step(
@@ -208,14 +213,17 @@ def make_func_args(
     **Arguments:**
 
     - `params`, `func_state`, `rng`, `batch`: the arguments (`func_state` and `rng` may be
-      `None` when the function takes none).
+      `None` when the function takes none; a `func_state` given to a function without one is
+      left out, as kfac-jax does).
     - `has_state`, `has_rng`: whether the function takes a state and a key.
 
     **Returns:**
 
     The tuple of arguments.
     """
-    check_func_state(has_state, func_state)
+    # As kfac-jax's: a state given to a function without one is left out (examples/training.py
+    # passes `()`), one missing where the function has one is an error.
+    check_func_state(has_state, func_state if has_state else None)
     if has_rng and rng is None:
         raise ValueError("make_func_args: rng=None, but has_rng=True; pass the key.")
     return _forms(False, has_state, has_rng).args(params, func_state, rng, batch)
