@@ -29,6 +29,7 @@ from jaxtyping import Array
 from .._curvature.blocks import CurvatureBlock as _EqxBlock
 from .._curvature.blocks.statistics import WeightedMovingAverage as _Average
 from .._tracing.layer_data import LayerSpec
+from ._accumulators import WeightedMovingAverage as WeightedMovingAverage
 
 T = TypeVar("T")
 
@@ -62,79 +63,6 @@ class LayerVjpData(Generic[T]):
     tangents: LayerData[T]
 
 
-class WeightedMovingAverage(Generic[T]):
-    """kfac-jax's moving average: mutable (`update` changes it in place), a PyTree of `value`
-    and `weight`, with `eqx_kfac.WeightedMovingAverage`'s update rule; subscriptable for
-    annotations (`WeightedMovingAverage[Array]`).
-
-    **Fields:**
-
-    - `value`: the average.
-    - `weight`: the total weight of the updates so far.
-    """
-
-    def __init__(self, value: Any, weight: Any):
-        self.value = value
-        self.weight = weight
-
-    @classmethod
-    def zeros_array(cls, shape: Sequence[int], dtype: Any = None) -> "WeightedMovingAverage":
-        """An empty average of arrays of shape `shape` (kfac-jax's constructor).
-
-        **Arguments:**
-
-        - `shape`: the averaged arrays' shape.
-        - `dtype`: their dtype (JAX's default float when `None`).
-
-        **Returns:**
-
-        The average, value and weight zero.
-        """
-        zero = _Average.zeros(tuple(shape), jnp.zeros((), dtype).dtype)
-        return cls(zero.value, zero.weight)
-
-    @classmethod
-    def zeros_like(cls, value: Array) -> "WeightedMovingAverage":
-        """An empty average of arrays like `value`.
-
-        **Arguments:**
-
-        - `value`: an array of the averaged shape and dtype.
-
-        **Returns:**
-
-        The average, value and weight zero.
-        """
-        return cls.zeros_array(jnp.shape(value), jnp.result_type(value))
-
-    def update(self, value: Array, old_weight_multiplier: ArrayLike, new_weight: ArrayLike) -> None:
-        """Adds `value` with weight `new_weight`, the past decayed by `old_weight_multiplier`
-        (in place, as kfac-jax's).
-
-        **Arguments:**
-
-        - `value`: the new estimate.
-        - `old_weight_multiplier`: the decay of the past.
-        - `new_weight`: the new estimate's weight.
-        """
-        updated = _Average(self.value, self.weight).update(value, old_weight_multiplier, new_weight)
-        self.value, self.weight = updated.value, updated.weight
-
-    def copy(self) -> "WeightedMovingAverage":
-        """A new average holding the same arrays.
-
-        **Returns:**
-
-        The copy.
-        """
-        return WeightedMovingAverage(self.value, self.weight)
-
-
-jax.tree_util.register_pytree_node(
-    WeightedMovingAverage, lambda a: ((a.value, a.weight), None), lambda _, c: WeightedMovingAverage(*c)
-)
-
-
 def mutable_averages(tree: Any) -> Any:
     """`tree` with its `eqx_kfac.WeightedMovingAverage`s as kfac-jax's mutable averages (new
     ones, holding the same arrays).
@@ -148,7 +76,7 @@ def mutable_averages(tree: Any) -> Any:
     The converted tree.
     """
     return jax.tree.map(
-        lambda a: WeightedMovingAverage(a.value, a.weight) if isinstance(a, _Average) else a,
+        lambda a: WeightedMovingAverage(weight=a.weight, value=a.value) if isinstance(a, _Average) else a,
         tree,
         is_leaf=lambda a: isinstance(a, (_Average, WeightedMovingAverage)),
     )
