@@ -72,9 +72,11 @@ GIVEN = dict(step_rule=MomentumStep(), damping_rule=GivenDamping())
 GGN_EXACT = CurvatureOptions(estimation_mode="ggn_exact")
 
 
-def _fixed_opt(inverse_update_period=1, curvature_ema=0.95, curvature=GGN_EXACT, **parts):
+def _fixed_opt(inverse_update_period=1, curvature_ema=0.95, curvature=GGN_EXACT, cache_inverses=None, **parts):
     """No burn-in, exact GGN statistics, and `GIVEN`'s rules unless `parts` replace them."""
-    refresh = RefreshSchedule(0, inverse_update_period=inverse_update_period, curvature_ema=curvature_ema)
+    refresh = RefreshSchedule(
+        0, inverse_update_period=inverse_update_period, curvature_ema=curvature_ema, cache_inverses=cache_inverses
+    )
     return Optimizer(VG, curvature=curvature, refresh=refresh, **(GIVEN | parts))
 
 
@@ -121,8 +123,11 @@ def test_exact_inverses_precondition_with_the_damped_dense_curvature(exact_run):
         velocity = expected
 
 
-def test_approximate_inverses_differ_from_exact_and_match_the_estimator():
-    opt = _fixed_opt()
+@pytest.mark.parametrize("cache_inverses", [None, True])
+def test_approximate_inverses_differ_from_exact_and_match_the_estimator(cache_inverses):
+    """Computed in the step (period 1), or as a cache refreshed at every step: the same values."""
+    opt = _fixed_opt(cache_inverses=cache_inverses)
+    assert opt.preconditioner.refresh.use_cached is bool(cache_inverses)
     params = PROBLEM.params
     state = opt.init(params, jax.random.key(0), BATCH)
     new_params, state, _ = opt.step(params, state, jax.random.key(0), batch=BATCH,
@@ -136,6 +141,11 @@ def test_approximate_inverses_differ_from_exact_and_match_the_estimator():
     exact = np.linalg.solve(_dense(opt, params, state) + DAMP * np.eye(delta.size),
                             _grad(params, BATCH))
     assert np.abs(delta + LR * exact).max() > 1e-3 * np.abs(delta).max()
+
+
+def test_inverses_not_cached_need_a_refresh_at_every_step():
+    with pytest.raises(ValueError, match="cache_inverses=False needs inverse_update_period=1"):
+        RefreshSchedule(inverse_update_period=5, cache_inverses=False)
 
 
 def test_cached_inverses_and_curvature_moving_average():

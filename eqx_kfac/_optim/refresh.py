@@ -79,6 +79,12 @@ class RefreshSchedule(AbstractRefreshSchedule):
       1e10 times their usual size, whose statistics would otherwise dominate the moving averages
       for hundreds of steps); `None` folds in every finite batch. A number or an array, like
       `curvature_ema`.
+    - `cache_inverses`: whether the inverses are cached between refreshes. `None` caches them
+      unless `inverse_update_period=1`. `True` with a period of 1 computes them at every step as
+      a refresh of the cache: the same values, but an inversion that fails keeps the previous
+      inverse (as every refresh does) instead of falling back to an eigendecomposition, whose
+      code the step then does not compile (the kfac-jax drop-in's choice: FermiNet's first step
+      587 kernels to 452). `False` with a period above 1 raises.
     """
 
     num_burnin_steps: int = eqx.field(static=True, default=10)
@@ -86,9 +92,15 @@ class RefreshSchedule(AbstractRefreshSchedule):
     inverse_update_period: int = eqx.field(static=True, default=5)
     curvature_ema: float | Array = 0.95
     max_statistics_growth: float | Array | None = 1e3
+    cache_inverses: bool | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         problems = []
+        if self.cache_inverses is False and self.inverse_update_period != 1:
+            problems.append(
+                f"cache_inverses=False needs inverse_update_period=1 (inverses computed at every "
+                f"step), got {self.inverse_update_period}"
+            )
         for name, minimum in (
             ("num_burnin_steps", 0), ("curvature_update_period", 1), ("inverse_update_period", 1)
         ):
@@ -112,7 +124,7 @@ class RefreshSchedule(AbstractRefreshSchedule):
     @property
     def use_cached(self) -> bool:
         """Whether inverses are cached (refreshed every `inverse_update_period` steps)."""
-        return self.inverse_update_period != 1
+        return self.inverse_update_period != 1 if self.cache_inverses is None else self.cache_inverses
 
     def update_curvature(
         self,
@@ -180,8 +192,8 @@ class RefreshSchedule(AbstractRefreshSchedule):
         refresh: Callable[[EstimatorState], EstimatorState],
     ) -> EstimatorState:
         """The cache refresh on its period, skipped on a step that is not finite, computed in
-        place of the cache (see `periodic`). With `inverse_update_period=1` nothing is cached,
-        and `refresh` (which then caches no power) runs at every step: a block with a basis of
+        place of the cache (see `periodic`). With `inverse_update_period=1` nothing is cached
+        (unless `cache_inverses`), and `refresh` (which then caches no power) runs at every step: a block with a basis of
         its own (EK-FAC's eigenbasis) recomputes it from the current statistics.
 
         **Arguments:**

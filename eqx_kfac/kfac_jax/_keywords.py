@@ -135,9 +135,12 @@ _BUILDERS: Mapping[str, Callable[[Mapping[str, Any]], Any]] = {
     "direction": lambda k: PreconditionedGradient(
         k["use_exact_inverses"], k["norm_constraint"], k["distributed_precon_apply"]
     ),
+    # kfac-jax inverts at every step with `inverse_update_period=1` and has no fallback for a
+    # failed inversion: a cache refreshed at every step gives its values and compiles no fallback.
     "refresh": lambda k: RefreshSchedule(
         k["num_burnin_steps"], k["curvature_update_period"], k["inverse_update_period"],
         k["curvature_ema"], k["max_statistics_growth"],
+        cache_inverses=True if k["inverse_update_period"] == 1 else None,
     ),
     "guard": lambda k: StepGuard(
         k["skip_non_finite"], k["use_step_rejection"], k["max_consecutive_faults"],
