@@ -41,8 +41,8 @@ class RepeatedDenseBlock(kfac_jax.DenseTwoKroneckerFactored):
 
 class QmcBlockedDense(kfac_jax.KroneckerFactored):
     """FermiNet HEAD's block, verbatim but for the annotations, the unused `input_size` /
-    `output_size`, `WeightedMovingAverage` taken from `kfac_jax.curvature_blocks` (FermiNet's
-    `kfac_jax.utils.WeightedMovingAverage` is `eqx_kfac`'s immutable average there), and the
+    `output_size`, `WeightedMovingAverage` taken from `kfac_jax.curvature_blocks` (the same
+    class as FermiNet's `kfac_jax.utils.WeightedMovingAverage`), and the
     `vmap` in `_update_cache`: FermiNet's, `jax.vmap(pi_adjusted_kronecker_inverse, (0, None),
     (0, 0))`, maps the scalar `damping` keyword (vmap maps keywords over axis 0) and not the
     outputs factor, and fails under kfac-jax HEAD too (whose `KroneckerFactored.State` has no
