@@ -136,7 +136,8 @@ def as_the_step_traces(
 
 
 def initial_state(
-    optimizer: AbstractOptimizer, build: Callable[..., OptimizerState], *args: Any
+    optimizer: AbstractOptimizer, build: Callable[..., OptimizerState], *args: Any,
+    lay_out: Callable[[OptimizerState], Any] | None = None,
 ) -> OptimizerState:
     """`build(*args)`, the optimizer's initial state, built by one compiled program: run eagerly,
     every array of a new shape that it creates compiles a program of its own (the benchmark
@@ -149,15 +150,19 @@ def initial_state(
     - `optimizer`: the `Optimizer`.
     - `build`: the function that builds the state.
     - `args`: its array arguments.
+    - `lay_out`: a function of the state applied in the same program (the kfac-jax drop-in's
+      copy per device), instead of `shard_state`'s layout.
 
     **Returns:**
 
     The state.
     """
-    if not (optimizer.multi_device and optimizer.shard_state):
+    if lay_out is None and optimizer.multi_device and optimizer.shard_state:
+        mesh = device_mesh(optimizer)
+        lay_out = functools.partial(_distributed.lay_out, mesh=mesh, is_state=_is_state)
+    if lay_out is None:
         return eqx.filter_jit(build)(*args)
-    mesh = device_mesh(optimizer)
-    return eqx.filter_jit(lambda *a: _distributed.lay_out(build(*a), mesh, _is_state))(*args)
+    return eqx.filter_jit(lambda *a: lay_out(build(*a)))(*args)
 
 
 # --- the state's check, when a step is traced ------------------------------------------------

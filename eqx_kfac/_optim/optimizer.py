@@ -145,6 +145,14 @@ class AbstractKFACOptimizer(AbstractOptimizer):
 
         An `Optimizer.State`.
         """
+        return self._init(params, rng, batch, func_state)
+
+    def _init(
+        self, params: PyTree, rng: PRNGKeyArray, batch: PyTree, func_state: PyTree,
+        lay_out: Callable[[OptimizerState], Any] | None = None,
+    ) -> OptimizerState:
+        """`init`, the state passed through `lay_out` in the program that builds it (`batch` may
+        be `jax.ShapeDtypeStruct`s under `multi_device`: only its shapes are traced)."""
         check_func_state(self.function.has_state, func_state)
 
         def checked_estimator(func_args: tuple[Any, ...]) -> BlockDiagonalCurvature:
@@ -160,7 +168,7 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         build = functools.partial(
             new_state, self, estimator, batch_signature=signature(batch), params_signature=params_signature(params)
         )
-        return initial_state(self, build, eqx.filter(params, eqx.is_inexact_array), rng)
+        return initial_state(self, build, eqx.filter(params, eqx.is_inexact_array), rng, lay_out=lay_out)
 
     def load_state(
         self, path_or_file: str | pathlib.Path | io.IOBase, params: PyTree, rng: PRNGKeyArray,

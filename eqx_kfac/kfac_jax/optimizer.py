@@ -1,6 +1,7 @@
 """`eqx_kfac.kfac_jax.Optimizer`: kfac-jax's `Optimizer`, its keywords, defaults and calling
 convention, on `eqx_kfac`'s parts."""
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from ._keywords import built
 from .utils import Array as Array, Numeric as Numeric, ScheduleType as ScheduleType
 from .utils import ValueAndGradFunc as ValueAndGradFunc, ValueFunc as ValueFunc
 from ._replicated import first_copy_on_host, is_per_device, merged_batch, merged_batch_shapes, replicated, unreplicated
+from .utils import replicated_in_program
 
 # kfac-jax's names of the function's argument and output forms.
 FuncArgsVariants = tuple[Any, ...]
@@ -153,13 +155,12 @@ class Optimizer(AbstractKFACOptimizer):
         """
         if not self._replicated_convention(rng):
             return super().init(params, rng, batch, func_state)
-        # One copy read on the host and the batch's shapes: `init` traces the batch and builds the
-        # state from one copy, in one compiled program.
-        state = super().init(
+        # One copy read on the host and the batch's shapes: `init` traces the batch, and one
+        # compiled program builds the state from one copy and lays out a copy per device.
+        return self._init(
             first_copy_on_host(params), first_copy_on_host(rng), merged_batch_shapes(batch),
-            first_copy_on_host(func_state),
+            first_copy_on_host(func_state), lay_out=functools.partial(replicated_in_program, axis_name=self.pmap_axis_name),
         )
-        return replicated(state, self.pmap_axis_name)
 
     def step(
         self, params: PyTree, state: OptimizerState, rng: PerDeviceKeys, data_iterator: Any = None,

@@ -96,6 +96,24 @@ def _replicator(axis_name: str | None) -> Callable[[PyTree], PyTree]:
     return jax.jit(_stacked_copies, out_shardings=_over_devices(axis_name))
 
 
+def replicated_in_program(tree: PyTree, axis_name: str | None = None) -> PyTree:
+    """`replicate_all_local_devices(tree, axis_name)` inside a traced program (a sharding
+    constraint on the stacked copies instead of a program of its own); non-array leaves stay.
+
+    **Arguments:**
+
+    - `tree`: a PyTree (of tracers, inside `jit`).
+    - `axis_name`: the name of the device axis of the sharding.
+
+    **Returns:**
+
+    The PyTree with one copy per local device along a new leading axis.
+    """
+    arrays, rest = eqx.partition(tree, eqx.is_array)
+    stacked = jax.lax.with_sharding_constraint(_stacked_copies(arrays), _over_devices(axis_name))
+    return eqx.combine(stacked, rest)
+
+
 def replicate_all_local_devices(obj: PyTree, axis_name: str | None = None) -> PyTree:
     """One copy of `obj` per local device, stacked along a new leading axis (kfac-jax's function).
 
