@@ -9,6 +9,7 @@ convert between the two.
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +85,21 @@ def merged_batch_shapes(batch: PyTree) -> PyTree:
     return jax.eval_shape(merged_batch, batch)
 
 
+def _merged_leaf(x: Any) -> Any:
+    if jnp.ndim(x) < 2:
+        raise ValueError(
+            "kfac_jax.Optimizer(multi_device=True) was given one key per device (kfac-jax's "
+            "replicated convention), so every batch array needs a leading device axis and an "
+            f"example axis; got an array of shape {jnp.shape(x)}. Pass a single key to use "
+            "eqx_kfac's convention (plain values and the global batch)."
+        )
+    return jnp.reshape(x, (-1, *jnp.shape(x)[2:]))
+
+
+# One program for the whole batch (eagerly, one per array shape).
+_merged = eqx.filter_jit(lambda batch: jax.tree.map(_merged_leaf, batch))
+
+
 def merged_batch(batch: PyTree) -> PyTree:
     """The global batch of a batch with a leading device axis: the device and example axes of
     every array merged, devices first (the order in which `eqx_kfac` splits it again).
@@ -96,17 +112,7 @@ def merged_batch(batch: PyTree) -> PyTree:
 
     The PyTree of `(devices * examples, ...)` arrays.
     """
-    def merge(x: Any) -> Any:
-        if jnp.ndim(x) < 2:
-            raise ValueError(
-                "kfac_jax.Optimizer(multi_device=True) was given one key per device (kfac-jax's "
-                "replicated convention), so every batch array needs a leading device axis and an "
-                f"example axis; got an array of shape {jnp.shape(x)}. Pass a single key to use "
-                "eqx_kfac's convention (plain values and the global batch)."
-            )
-        return jnp.reshape(x, (-1, *jnp.shape(x)[2:]))
-
-    return jax.tree.map(merge, batch)
+    return _merged(batch)
 
 
 def replicated(tree: PyTree, axis_name: str) -> PyTree:

@@ -147,7 +147,7 @@ def broadcast_all_local_devices(obj: PyTree, axis_name: str | None = None) -> Py
     return jax.tree.map(lambda x: _split_over_devices(x, axis_name), obj)
 
 
-_take = jax.jit(lambda tree, n: jax.tree.map(lambda x: x[n], tree))
+_take = jax.jit(lambda tree, n: jax.tree.map(lambda x: x[n], tree), static_argnums=1)
 
 
 def get_device_n_contents(obj: PyTree, n: int) -> PyTree:
