@@ -315,3 +315,16 @@ def test_two_processes_agree_with_one(tmp_path):
         _assert_same_update(model, single, result["params"])
         _assert_same_update(model, single, result["sharded"])
         np.testing.assert_allclose(result["loss"], single_stats["loss"], rtol=1e-9)
+
+
+def test_arguments_already_on_the_mesh_are_not_put_again():
+    """The previous step's outputs are placed as the step takes them: `placed_on_mesh` returns
+    them as they are (no `device_put` of the whole state at every step), and places others."""
+    from eqx_kfac._core.distributed import placed_on_mesh
+
+    mesh = data_mesh("d")
+    args = (jnp.ones((3, 2)), jnp.arange(8.0), jnp.ones(()))
+    placed = placed_on_mesh(args, mesh, "d", batch_index=1)
+    assert placed is not args and placed[1].sharding.spec == PartitionSpec("d")
+    again = placed_on_mesh(placed, mesh, "d", batch_index=1)
+    assert len(again) == len(placed) and all(a is b for a, b in zip(again, placed))

@@ -122,3 +122,21 @@ def test_a_state_restored_without_a_template_is_refused():
     grads = jax.tree.map(jnp.zeros_like, params)
     with pytest.raises(TypeError, match=r"restored without a template(.|\n)*optimizer.init\(params\)"):
         PLAIN.update(grads, as_dicts, params, batch=BATCH, key=jax.random.key(0))
+
+
+class _Unreadable:
+    """A count whose reading fails (it would wait for the step that computes it)."""
+
+    def __int__(self):
+        raise AssertionError("read")
+
+
+def test_check_reads_no_count_without_a_limit():
+    """Without limits (kfac-jax's defaults) `check` reads nothing, so a directly called step
+    never waits for its program; with one, it reads that count."""
+    state = eqx_kfac.StepGuard().init()
+    unread = eqx.tree_at(lambda s: (s.consecutive_faults, s.consecutive_stalls), state,
+                         (_Unreadable(), _Unreadable()), is_leaf=lambda x: x is None)
+    eqx_kfac.StepGuard(max_consecutive_faults=None, max_consecutive_stalls=None).check(unread)
+    with pytest.raises(AssertionError, match="read"):
+        eqx_kfac.StepGuard(max_consecutive_faults=3, max_consecutive_stalls=None).check(unread)

@@ -337,16 +337,18 @@ class StepGuard(eqx.Module):
         """Raises `RuntimeError` (in Python, on a concrete state) when the faults in a row reached
         `max_consecutive_faults` (naming the first of them), or the stalls in a row
         `max_consecutive_stalls` (naming the cause). Reading the counts waits for the step that
-        computed them.
+        computed them; a count without a limit is not read.
 
         **Arguments:**
 
         - `state`: the guard's state after a step.
         """
-        if self._failed(int(state.consecutive_faults)):
+        # A count without a limit is not read: reading it waits for the step (kfac-jax's
+        # defaults, no limits, leave the step asynchronous).
+        if self.max_consecutive_faults is not None and self._failed(int(state.consecutive_faults)):
             first = f" (the first of them was step {int(state.fault_start)}, counting from 0)"
             raise RuntimeError(self._faults_message(first, int(state.last_fault)))
-        if self._stalled(int(state.consecutive_stalls)):
+        if self.max_consecutive_stalls is not None and self._stalled(int(state.consecutive_stalls)):
             loss = f" (the last loss: {float(state.last_loss):.4g})"
             raise RuntimeError(self._stall_message(int(state.stall_cause), loss))
 

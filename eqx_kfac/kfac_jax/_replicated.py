@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from .utils import get_first, replicate_all_local_devices
+from .utils import device_contents_placed, get_first, replicate_all_local_devices
 
 
 def is_per_device(rng: Any) -> bool:
@@ -33,18 +33,22 @@ def is_per_device(rng: Any) -> bool:
     return jnp.ndim(rng) == (1 if typed else 2)
 
 
-def unreplicated(tree: PyTree) -> PyTree:
-    """The first device's copy of a replicated PyTree (`None` stays `None`).
+def unreplicated(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
+    """The first device's copy of a replicated PyTree (`None` stays `None`), replicated over
+    `mesh` as the multi-device step takes its arguments (so that the step puts nothing on the
+    devices before it runs).
 
     **Arguments:**
 
     - `tree`: a PyTree of per-device arrays.
+    - `mesh`: the step's mesh.
 
     **Returns:**
 
     The PyTree of one copy.
     """
-    return get_first(tree)
+    replicated_on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return device_contents_placed(tree, 0, replicated_on_mesh)
 
 
 def first_copy_on_host(tree: PyTree) -> PyTree:

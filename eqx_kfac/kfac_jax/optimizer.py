@@ -22,6 +22,7 @@ from .._optim.preconditioner import Preconditioner
 from .._optim.refresh import AbstractRefreshSchedule
 from .._optim.step_rule import AbstractStepRule
 from .._optim.arguments import check_func_state
+from .._optim.compilation import device_mesh
 from .._optim.value_function import ValueFunction
 from ._keywords import built
 from .utils import Array as Array, Numeric as Numeric, ScheduleType as ScheduleType
@@ -188,10 +189,11 @@ class Optimizer(AbstractKFACOptimizer):
                 params, state, rng, data_iterator, batch, func_state, learning_rate, momentum, damping, global_step_int
             )
         iterator = None if data_iterator is None else _merged_batches(data_iterator)
-        hyper = (unreplicated(v) for v in (learning_rate, momentum, damping))
+        mesh = device_mesh(self)
+        hyper = (unreplicated(v, mesh) for v in (learning_rate, momentum, damping))
         out = super().step(
-            unreplicated(params), unreplicated(state), unreplicated(rng), iterator,
-            None if batch is None else merged_batch(batch), unreplicated(func_state), *hyper, global_step_int,
+            unreplicated(params, mesh), unreplicated(state, mesh), unreplicated(rng, mesh), iterator,
+            None if batch is None else merged_batch(batch), unreplicated(func_state, mesh), *hyper, global_step_int,
         )
         return replicated(out, self.pmap_axis_name)
 

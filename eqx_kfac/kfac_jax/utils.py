@@ -147,7 +147,29 @@ def broadcast_all_local_devices(obj: PyTree, axis_name: str | None = None) -> Py
     return jax.tree.map(lambda x: _split_over_devices(x, axis_name), obj)
 
 
-_take = jax.jit(lambda tree, n: jax.tree.map(lambda x: x[n], tree), static_argnums=1)
+@functools.cache
+def _taker(n: int, sharding: jax.sharding.Sharding | None) -> Callable[[PyTree], PyTree]:
+    """One compiled program taking entry `n` of every leaf, its outputs laid out by `sharding`."""
+    return jax.jit(lambda tree: jax.tree.map(lambda x: x[n], tree), out_shardings=sharding)
+
+
+def device_contents_placed(obj: PyTree, n: int, sharding: jax.sharding.Sharding | None) -> PyTree:
+    """`get_device_n_contents(obj, n)` with its arrays laid out by `sharding` (`None`: as XLA
+    places them) by the program that takes them.
+
+    **Arguments:**
+
+    - `obj`: a PyTree of per-device arrays (Python scalars and 0-d arrays are returned as they
+      are).
+    - `n`: the device's index.
+    - `sharding`: the outputs' sharding.
+
+    **Returns:**
+
+    The PyTree of device `n`'s values.
+    """
+    arrays, rest = eqx.partition(obj, lambda x: isinstance(x, jax.Array) and x.ndim > 0)
+    return eqx.combine(_taker(n, sharding)(arrays), rest)
 
 
 def get_device_n_contents(obj: PyTree, n: int) -> PyTree:
@@ -163,8 +185,7 @@ def get_device_n_contents(obj: PyTree, n: int) -> PyTree:
 
     The PyTree of device `n`'s values.
     """
-    arrays, rest = eqx.partition(obj, lambda x: isinstance(x, jax.Array) and x.ndim > 0)
-    return eqx.combine(_take(arrays, n), rest)
+    return device_contents_placed(obj, n, None)
 
 
 def get_first(obj: PyTree) -> PyTree:
