@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import PyTree
 
+from ._axes import pmean_if_pmap
 from ._utils_arithmetic import default_add_function
 
 T = TypeVar("T")
@@ -149,8 +150,6 @@ class WeightedMovingAverage(Generic[T]):
 
         `ValueError` if `value` is `None` (cleared with `value_to_none=True`).
         """
-        from .utils import pmean_if_pmap  # `utils` imports this module.
-
         if self.value is None:
             raise ValueError("WeightedMovingAverage.sync: `value` is None (cleared); update it first.")
         self.value = pmean_if_pmap(self.value, pmap_axis_name)

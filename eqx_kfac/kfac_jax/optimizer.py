@@ -189,11 +189,13 @@ class Optimizer(AbstractKFACOptimizer):
                 params, state, rng, data_iterator, batch, func_state, learning_rate, momentum, damping, global_step_int
             )
         iterator = None if data_iterator is None else _merged_batches(data_iterator)
-        mesh = device_mesh(self)
-        hyper = (unreplicated(v, mesh) for v in (learning_rate, momentum, damping))
+        # One program takes the first copies of them all (one dispatch per step, not seven).
+        params, state, rng, func_state, *hyper = unreplicated(
+            (params, state, rng, func_state, learning_rate, momentum, damping), device_mesh(self)
+        )
         out = super().step(
-            unreplicated(params, mesh), unreplicated(state, mesh), unreplicated(rng, mesh), iterator,
-            None if batch is None else merged_batch(batch), unreplicated(func_state, mesh), *hyper, global_step_int,
+            params, state, rng, iterator, None if batch is None else merged_batch(batch), func_state, *hyper,
+            global_step_int,
         )
         return replicated(out, self.pmap_axis_name)
 

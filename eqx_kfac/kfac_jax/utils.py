@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 from jax.typing import ArrayLike, DTypeLike
 
-from .._core.distributed import pmean
 from .._curvature.estimators import default_batch_size_extractor as default_batch_size_extractor
 from ._block_adapter import WeightedMovingAverage as WeightedMovingAverage
+from ._axes import in_pmap as in_pmap, pmean_if_pmap as pmean_if_pmap
 from ._utils_arithmetic import (
     default_add_function as default_add_function,
     inner_product as inner_product,
@@ -276,31 +276,6 @@ def p_split_num(key: PRNGKey, num: int) -> tuple[PRNGKey, ...]:
     return tuple(broadcast_all_local_devices(keys[:, i]) for i in range(num))
 
 
-def _axis_bound(axis_name: str | None) -> bool:
-    if axis_name is None:
-        return False
-    try:
-        jax.lax.axis_size(axis_name)
-    except NameError:
-        return False
-    return True
-
-
-def in_pmap(axis_name: str | None) -> bool:
-    """Whether the code runs inside a map over the devices with the axis `axis_name` (a
-    `jax.pmap`, `jax.shard_map`, or the step of `Optimizer(multi_device=True)`).
-
-    **Arguments:**
-
-    - `axis_name`: the axis's name, or `None`.
-
-    **Returns:**
-
-    Whether the axis is bound.
-    """
-    return _axis_bound(axis_name)
-
-
 def wrap_if_pmap(p_func: Callable[[Any, str], Any]) -> Callable[[Any, str | None], Any]:
     """`p_func(obj, axis_name)` where the axis is bound, `obj` elsewhere (kfac-jax's function).
 
@@ -318,21 +293,6 @@ def wrap_if_pmap(p_func: Callable[[Any, str], Any]) -> Callable[[Any, str | None
         return p_func(obj, axis_name) if in_pmap(axis_name) else obj
 
     return if_pmap
-
-
-def pmean_if_pmap(obj: PyTree, axis_name: str | None) -> PyTree:
-    """The mean over the devices of `obj`'s inexact arrays where the axis is bound, `obj` elsewhere.
-
-    **Arguments:**
-
-    - `obj`: a PyTree.
-    - `axis_name`: the devices' axis, or `None`.
-
-    **Returns:**
-
-    A PyTree like `obj`.
-    """
-    return pmean(obj, axis_name if in_pmap(axis_name) else None)
 
 
 def psum_if_pmap(obj: PyTree, axis_name: str | None) -> PyTree:
