@@ -157,10 +157,11 @@ def _core_like(dropin) -> "object":
 
 def _time_core(times: _Times, dropin, params, rng, batches, func_state, steps: int, step_kwargs) -> None:
     """The core optimizer's `init` and `steps` steps, in the plain convention."""
-    from eqx_kfac.kfac_jax._replicated import merged_batch, unreplicated
+    from eqx_kfac.kfac_jax._replicated import merged_batch
+    from eqx_kfac.kfac_jax.utils import get_first
 
     core = _core_like(dropin)
-    params, rng, func_state = unreplicated(params), unreplicated(rng), unreplicated(func_state)
+    params, rng, func_state = get_first(params), get_first(rng), get_first(func_state)
     init, step = times.timed(core.init, False), times.timed(core.step, True)
     state = init(params, rng, merged_batch(next(batches)), func_state)
     plain = (merged_batch(b) for b in batches)

@@ -23,9 +23,12 @@ def _batches():
 
 
 @pytest.mark.parametrize(
-    "feed, shard_state", [("batch", False), ("data_iterator", False), ("data_iterator", True)]
+    "feed, shard_state, devices",
+    # On a mesh of one device the caller's arrays' sharding is equivalent to the mesh's, not
+    # equal: they are placed all the same (the program is keyed by the sharding itself).
+    [("batch", False, 4), ("data_iterator", False, 4), ("data_iterator", True, 4), ("batch", False, 1)],
 )
-def test_one_step_program_from_step_0_on(feed, shard_state, xla_compilations):
+def test_one_step_program_from_step_0_on(feed, shard_state, devices, xla_compilations):
     traces = []
 
     def loss(model, batch):
@@ -38,7 +41,9 @@ def test_one_step_program_from_step_0_on(feed, shard_state, xla_compilations):
     optimizer = eqx_kfac.Optimizer(
         eqx.filter_value_and_grad(loss), l2_reg=0.0, step_rule=eqx_kfac.MomentumStep(),
         damping_rule=eqx_kfac.GivenDamping(), refresh=eqx_kfac.RefreshSchedule(num_burnin_steps=2),
-        devices=eqx_kfac.MultiDevice(shard_state=shard_state),
+        devices=eqx_kfac.MultiDevice(
+            jax.sharding.Mesh(jax.devices()[:devices], ("kfac_axis",)), shard_state=shard_state
+        ),
     )
     batches = _batches()
     params = eqx.nn.MLP(4, 3, 8, 1, key=jax.random.key(0))

@@ -321,11 +321,6 @@ def sharded_call(
     return eqx.combine(out_dynamic, out_static[0])
 
 
-def _placed_as(x: Any, sharding: jax.sharding.Sharding) -> bool:
-    placed = getattr(x, "sharding", None)
-    return placed is not None and (placed == sharding or placed.is_equivalent_to(sharding, x.ndim))
-
-
 def placed_on_mesh(
     args: Sequence[Any],
     mesh: Mesh,
@@ -376,15 +371,20 @@ def placed_on_mesh(
         batch_sharding(a, mesh, axis_name) if i == batch_index else jax.tree.map(other, a, is_leaf=is_state)
         for i, a in enumerate(dynamic)
     )
-    # Already placed (the previous step's outputs): nothing to put. `jax.device_put` of a whole
-    # state, even a no-op, took most of a small model's step (FermiNet's He: 10 of 13 ms).
-    is_sharding = lambda s: isinstance(s, jax.sharding.Sharding)
-    if all(_placed_as(x, target) for x, target in
-           zip(jax.tree.leaves(dynamic), jax.tree.leaves(shardings, is_leaf=is_sharding))):
-        return tuple(args)
+    # Only what is not placed so already is put (the previous step's outputs are): `jax.device_put`
+    # of a whole state, even a no-op, took most of a small model's step (FermiNet's He: 10 of
+    # 13 ms). The shardings must be equal, not just equivalent: a program compiled for one
+    # device's arrays would compile again for the mesh's.
     # (`jax.device_put`, not `eqx.filter_shard`: outside `jit` the latter compiles a program per
     # array shape to apply its sharding constraint.)
-    return eqx.combine(jax.device_put(dynamic, shardings), static)
+    leaves, treedef = jax.tree.flatten(dynamic)
+    targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    moving = [i for i, (x, target) in enumerate(zip(leaves, targets)) if getattr(x, "sharding", None) != target]
+    if not moving:
+        return tuple(args)
+    for i, moved in zip(moving, jax.device_put([leaves[i] for i in moving], [targets[i] for i in moving])):
+        leaves[i] = moved
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
 
 
 # --- the sharded (SPMD) step ----------------------------------------------------------------
