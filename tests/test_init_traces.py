@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import eqx_kfac
@@ -30,14 +31,17 @@ def _problem():
     return params, batch
 
 
-def test_init_traces_the_loss_once_and_the_step_once_more():
+@pytest.mark.parametrize("devices", [None, eqx_kfac.MultiDevice()])
+def test_init_traces_the_loss_once_and_the_step_once_more(devices):
     # The scalar check, the graph matcher and the tracer share one trace at init (there were
     # three); the step traces the value and gradient, and its curvature and batch size reuse the
-    # estimator's trace (the exact products traced the loss once more).
+    # estimator's trace (the exact products traced the loss once more). Under `MultiDevice`,
+    # `init` traces under the step's `shard_map` on a device's share of the batch, so the step
+    # reuses that trace too (it traced and matched the loss again under its mesh).
     traces = []
     optimizer = eqx_kfac.Optimizer(
         eqx.filter_value_and_grad(_counted_loss(traces), has_aux=True), value_func_has_aux=True,
-        step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping(),
+        step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping(), devices=devices,
     )
     params, batch = _problem()
     state = optimizer.init(params, jax.random.key(3), batch)
