@@ -372,9 +372,9 @@ def placed_on_mesh(
         for i, a in enumerate(dynamic)
     )
     # Only what is not placed so already is put (the previous step's outputs are): `jax.device_put`
-    # of a whole state, even a no-op, took most of a small model's step (FermiNet's He: 10 of
-    # 13 ms). The shardings must be equal, not just equivalent: a program compiled for one
-    # device's arrays would compile again for the mesh's.
+    # of a whole state, even a no-op, took 40% of a small model's step (FermiNet's He: 10 of
+    # 26 ms under cProfile). The shardings must be equal, not just equivalent: a program compiled
+    # for one device's arrays would compile again for the mesh's.
     # (`jax.device_put`, not `eqx.filter_shard`: outside `jit` the latter compiles a program per
     # array shape to apply its sharding constraint.)
     leaves, treedef = jax.tree.flatten(dynamic)
