@@ -124,8 +124,8 @@ def as_the_step_traces(
     result = []
 
     def body(params: Any, func_state: Any, rng: Any, batch: Any) -> tuple[()]:
-        _, func_key = function.keys(rng, optimizer.pmap_axis_name)
-        result.append(fn(function.args(params, func_state, func_key, function.process(batch))))
+        _, func_args = function.keyed_args(params, func_state, rng, function.process(batch), optimizer.axis_name)
+        result.append(fn(func_args))
         return ()
 
     mesh, axis = device_mesh(optimizer), optimizer.pmap_axis_name

@@ -160,10 +160,12 @@ class AbstractKFACOptimizer(AbstractOptimizer):
             check_scalar_loss(abstract_outputs(self.function.value), self.function.loss_of, func_args)
             return self.estimators(func_args, report=True)[0]
 
-        estimator = as_the_step_traces(self, checked_estimator, params, func_state, rng, batch)
-        func_args = self.function.args(params, func_state, rng, self.function.process(batch))
-        if not self.multi_device:
-            # (Under `multi_device` the loss may use collectives, which need the step's map.)
+        if self.multi_device:
+            # (The loss may use collectives, which need the step's map: no check evaluates it.)
+            estimator = as_the_step_traces(self, checked_estimator, params, func_state, rng, batch)
+        else:
+            func_args = self.function.args(params, func_state, rng, self.function.process(batch))
+            estimator = checked_estimator(func_args)
             self.preconditioner.check_loss(self.function.loss_of, func_args, estimator)
         build = functools.partial(
             new_state, self, estimator, batch_signature=signature(batch), params_signature=params_signature(params)

@@ -35,8 +35,7 @@ def _curvature_args(optimizer: AbstractOptimizer, params: Any, func_state: Any, 
     any, drawn from `k`)."""
 
     def args_of(key: PRNGKeyArray) -> tuple[Any, ...]:
-        _, func_key = optimizer.function.keys(key, None)
-        return optimizer.function.args(params, func_state, func_key, batch)
+        return optimizer.function.keyed_args(params, func_state, key, batch, None)[1]
 
     return args_of
 
@@ -84,8 +83,7 @@ def _evaluate(
 ) -> tuple[StepContext, PRNGKeyArray, Any, Any]:
     """The loss and gradient, as a `StepContext`; the curvature's key, new function state, aux."""
     function, axis = optimizer.function, optimizer.axis_name
-    key, func_key = function.keys(rng, axis)
-    func_args = function.args(params, func_state, func_key, function.process(batch))
+    key, func_args = function.keyed_args(params, func_state, rng, function.process(batch), axis)
     estimator, implicit = optimizer.estimators(func_args)
     out, grads = function.value_and_grad(*func_args)
     loss, new_func_state, aux = function.split(_distributed.pmean(out, axis))

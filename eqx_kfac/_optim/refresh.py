@@ -84,7 +84,7 @@ class RefreshSchedule(AbstractRefreshSchedule):
       a refresh of the cache: the same values, but an inversion that fails keeps the previous
       inverse (as every refresh does) instead of falling back to an eigendecomposition, whose
       code the step then does not compile (the kfac-jax drop-in's choice: FermiNet's first step
-      587 kernels to 452). `False` with a period above 1 raises.
+      587 kernels to 469). `False` with a period above 1 raises.
     """
 
     num_burnin_steps: int = eqx.field(static=True, default=10)
@@ -193,8 +193,9 @@ class RefreshSchedule(AbstractRefreshSchedule):
     ) -> EstimatorState:
         """The cache refresh on its period, skipped on a step that is not finite, computed in
         place of the cache (see `periodic`). With `inverse_update_period=1` nothing is cached
-        (unless `cache_inverses`), and `refresh` (which then caches no power) runs at every step: a block with a basis of
-        its own (EK-FAC's eigenbasis) recomputes it from the current statistics.
+        (unless `cache_inverses`), and `refresh` (which then caches no power) runs at every
+        step: a block with a basis of its own (EK-FAC's eigenbasis) recomputes it from the
+        current statistics.
 
         **Arguments:**
 

@@ -69,6 +69,15 @@ class ValueFunction(eqx.Module):
         rng = _distributed.fold_in_device(rng, axis_name)
         return tuple(jax.random.split(rng)) if self.has_rng else (rng, None)
 
+    def keyed_args(
+        self, params: PyTree, func_state: PyTree, rng: PRNGKeyArray, batch: PyTree, axis_name: Hashable | None
+    ) -> tuple[PRNGKeyArray, tuple[Any, ...]]:
+        """This device's key for the curvature's sampling, and the function's arguments with its
+        own key (`keys`, then `args`): as the step makes them, so that a trace made elsewhere
+        (`init`'s) is the step's."""
+        key, func_key = self.keys(rng, axis_name)
+        return key, self.args(params, func_state, func_key, batch)
+
     def args(self, params: PyTree, func_state: PyTree, rng: Any, batch: PyTree) -> tuple[Any, ...]:
         """The function's arguments `(params, [func_state], [rng], batch)`."""
         args = (params,)

@@ -158,9 +158,10 @@ class Optimizer(AbstractKFACOptimizer):
             return super().init(params, rng, batch, func_state)
         # One copy read on the host and the batch's shapes: `init` traces the batch, and one
         # compiled program builds the state from one copy and lays out a copy per device.
+        copies = functools.partial(replicated_in_program, axis_name=self.pmap_axis_name)
         return self._init(
             first_copy_on_host(params), first_copy_on_host(rng), merged_batch_shapes(batch),
-            first_copy_on_host(func_state), lay_out=functools.partial(replicated_in_program, axis_name=self.pmap_axis_name),
+            first_copy_on_host(func_state), lay_out=copies,
         )
 
     def step(
