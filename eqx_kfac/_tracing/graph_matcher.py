@@ -6,9 +6,12 @@ scale-and-shift layers in the forms Equinox and plain JAX emit them), and return
 evaluates the same jaxpr with the matching layer tags bound.
 
 How matching works. A pattern's `compute_func` is traced on each of its example argument sets; each
-trace is a small jaxpr whose inputs are the layer's inputs and parameters. A pattern matches a
-target equation when the pattern's equations can be laid onto the target's, walking backwards from
-the output, with
+trace is a small jaxpr whose inputs are the layer's inputs and parameters. The default patterns'
+examples are traced once per process, when a function is first matched, and only those whose
+parameters' ranks the function's parameters have (a match binds each parameter to one of the same
+rank), all in one trace; a user's patterns are traced (checked) by `auto_register_tags`. A pattern
+matches a target equation when the pattern's equations can be laid onto the target's, walking
+backwards from the output, with
 
 - the same primitives, and the same equation parameters except those irrelevant to what is computed
   (`precision`, `preferred_element_type`, shardings), shape parameters (compared by rank: patterns
@@ -48,6 +51,7 @@ The default patterns and the `GraphPattern` class live in `graph_patterns.py`, t
 pattern at one equation in `pattern_matching.py`.
 """
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,7 +65,7 @@ from .graph_patterns import default_parameters, GraphPattern as GraphPattern
 from .graph_patterns_flax import DEFAULT_GRAPH_PATTERNS as DEFAULT_GRAPH_PATTERNS
 from .jaxpr_interpreter import JaxprHook, current_path, eval_jaxpr, scan_consts_and_carry, subjaxprs
 from .liveness import inner_jaxpr, LiveTable, liveness
-from .pattern_matching import JaxprGraph, PatternMatcher, pattern_graphs, is_transparent
+from .pattern_matching import bindable_examples, is_transparent, JaxprGraph, pattern_graphs, PatternMatcher
 from .layer_registration import bind_dense, register_conv2d, register_embedding, register_scale_and_shift
 from .tags import (
     conv2d_tag,
@@ -266,12 +270,17 @@ def _find_matches(
     plan: _Plan,
     live: LiveTable,
 ) -> None:
-    graph = JaxprGraph(jaxpr, live[prefix])
-    eqn_index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+    graph = None
     claimed: set[int] = set()
     allowed = {v: r for v, r in refs.items() if r[1] <= 1}
+    ranks = Counter(v.aval.ndim for v in allowed)
+    # Only the examples that can bind their parameters here are traced (once per process, together).
+    pattern_graphs([(p, k) for p in patterns for k in bindable_examples(p, ranks)])
     for pattern in patterns:
-        for pg in pattern_graphs(pattern):
+        for pg in pattern_graphs([(pattern, k) for k in bindable_examples(pattern, ranks)]):
+            if graph is None:
+                graph = JaxprGraph(jaxpr, live[prefix])
+                eqn_index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
             out_primitive = pg.graph.producer[pg.outvars[0]][0].primitive
             for node in graph.nodes:
                 if node.primitive is not out_primitive or id(node) in claimed or not node.live_in:
@@ -300,6 +309,7 @@ def _find_matches(
                 claimed.update(id(n) for n in b.nodes.values())
                 for tv in ps:
                     plan.matched_leaves.add(allowed.pop(tv)[0])
+                    ranks[tv.aval.ndim] -= 1
     for i, eqn in enumerate(jaxpr.eqns):
         child = _child(eqn, refs)
         if child is not None:
@@ -423,8 +433,10 @@ def auto_register_tags(
     patterns = () if register_only_generic else tuple(
         sorted((p for p in graph_patterns if p.name not in patterns_to_skip), key=lambda p: p.precedence)
     )
-    for pattern in patterns:
-        pattern_graphs(pattern)
+    # The user's patterns are checked now (`PatternGraph` raises what is wrong with one); the
+    # defaults' graphs are traced when a function's parameters could match them.
+    users = [p for p in patterns if not any(p is default for default in DEFAULT_GRAPH_PATTERNS)]
+    pattern_graphs([(p, k) for p in users for k in range(len(p.example_args))])
 
     def tagged_func(*args: Any) -> Any:
         closed, out_struct, out_static = function_jaxpr(func, args, params_index)

@@ -293,24 +293,26 @@ def _normalized_input(inputs: tuple[Any, ...]) -> tuple[Any]:
     return (centred * rsqrt,)
 
 
-def _left_broadcast(p: Any, x: Any) -> Any:
-    """`p` aligned with the leading axes of `x` and broadcast along the rest (as Equinox's
+def _left_broadcast(p: Any, shape: tuple[int, ...]) -> Any:
+    """`p` aligned with the leading axes of `shape` and broadcast along the rest (as Equinox's
     `left_broadcast_to`, which `eqx.nn.GroupNorm` applies to its channel weight and bias)."""
-    return jnp.broadcast_to(jnp.reshape(p, p.shape + (1,) * (x.ndim - p.ndim)), x.shape)
+    return jnp.broadcast_to(jnp.reshape(p, p.shape + (1,) * (len(shape) - p.ndim)), shape)
 
 
 def _leading_scale_and_shift(has_scale: bool, has_shift: bool) -> Callable[[Any, Any], Any]:
-    def one(v, params):
-        params = list(params)
-        if has_scale:
-            v = _left_broadcast(params.pop(0), v) * v
-        return v + _left_broadcast(params.pop(0), v) if has_shift else v
+    """A per-example `left_broadcast_to(s, v) * v + left_broadcast_to(b, v)` under one `vmap` per
+    batch axis, written on the batch: the parameters broadcast to one example's shape, then against
+    the batch. This is the graph the `vmap`s give (once broadcast chains are merged), for half the
+    tracing."""
 
     def compute(x, params):
         # The examples size batch axes from `_BATCH` and feature axes never, so the batch axes are
         # the leading ones sized from `_BATCH`.
-        n_batch = next(i for i, d in enumerate(x.shape) if d not in _BATCH)
-        return _vmapped(lambda v: one(v, params), x, n_batch)
+        shape = x.shape[next(i for i, d in enumerate(x.shape) if d not in _BATCH) :]
+        params = list(params)
+        if has_scale:
+            x = _left_broadcast(params.pop(0), shape) * x
+        return x + _left_broadcast(params.pop(0), shape) if has_shift else x
 
     return compute
 

@@ -1,13 +1,15 @@
 """Matching a layer pattern's equations onto a function's jaxpr (see `graph_matcher.py`).
 
 `JaxprGraph` holds a jaxpr's equations as nodes (chains of `broadcast_in_dim` merged into one, `pvary`
-and widening float conversions looked through), `PatternGraph` a traced pattern's; `PatternMatcher` lays
-a pattern graph onto a target node, walking backwards from the output, and returns the variable
-bindings.
+and widening float conversions looked through), `PatternGraph` a traced pattern's (`pattern_graphs`
+traces the examples a function needs together, once per process; `bindable_examples` says which
+those are); `PatternMatcher` lays a pattern graph onto a target node, walking backwards from the
+output, and returns the variable bindings.
 """
 
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -168,25 +170,21 @@ class JaxprGraph:
 
 
 class PatternGraph:
-    """A traced pattern: its graph, which invars are inputs and which are parameters."""
+    """A traced example of a pattern: its graph, which invars are inputs and which are parameters.
 
-    def __init__(self, pattern: GraphPattern, example: ExampleArgs):
-        inputs, params = example
-        closed = jax.make_jaxpr(pattern.compute_func)(inputs, list(params) if pattern.list_params else params)
-        jaxpr = closed.jaxpr
-        n_in = len(jax.tree.leaves(inputs))
-        if jaxpr.constvars:
-            raise ValueError(
-                f"GraphPattern {pattern.name!r}: compute_func closes over arrays; pass every array "
-                "as an input or a parameter."
-            )
+    `jaxpr` is the trace of `compute_func` on the example, `n_in` the number of its invars that are
+    inputs (the rest are parameters).
+    """
+
+    def __init__(self, pattern: GraphPattern, jaxpr: Jaxpr, n_in: int):
         self.graph = JaxprGraph(jaxpr)
         self.inputs = list(jaxpr.invars[:n_in])
         self.params = list(jaxpr.invars[n_in:])
         # The parameters' dimensions: sizes a target may differ in (see `PatternMatcher._sizes_agree`).
         self.sizes = frozenset(int(d) for v in self.params for d in v.aval.shape if d > 1)
         self.outvars = list(jaxpr.outvars)
-        unused = [v for v in jaxpr.invars if v not in self.graph.consumers]
+        used = self._ancestors()
+        unused = [v for v in jaxpr.invars if v not in used]
         if unused or len(self.outvars) != pattern.tag.num_outputs:
             raise ValueError(
                 f"GraphPattern {pattern.name!r}: compute_func must use all its inputs and parameters "
@@ -195,10 +193,146 @@ class PatternGraph:
         if any(not isinstance(v, Var) or v not in self.graph.producer for v in self.outvars):
             raise ValueError(f"GraphPattern {pattern.name!r}: every output must be computed from the inputs.")
 
+    def _ancestors(self) -> set[Var]:
+        """The variables the outputs are computed from (a match binds each of them)."""
+        seen: set[Var] = set()
+        stack = [v for v in self.outvars if isinstance(v, Var)]
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in self.graph.producer:
+                stack.extend(u for u in self.graph.producer[v][0].invars if isinstance(u, Var))
+        return seen
 
-@functools.cache
-def pattern_graphs(pattern: GraphPattern) -> tuple[PatternGraph, ...]:
-    return tuple(PatternGraph(pattern, example) for example in pattern.example_args)
+
+# A pattern and the index of one of its examples.
+Example = tuple[GraphPattern, int]
+
+
+def _call_args(example: Example) -> tuple[Any, Any]:
+    pattern, k = example
+    inputs, params = pattern.example_args[k]
+    return inputs, list(params) if pattern.list_params else params
+
+
+def _trace(examples: Sequence[Example]) -> tuple[Jaxpr, list[int], list[int]]:
+    """One jaxpr computing every example's outputs from its own inputs and parameters, and each
+    example's numbers of invars and outvars.
+
+    The examples are traced with `jit` disabled: `jnp`'s functions are then run rather than traced
+    as inner `jit`s and inlined, which gives the same equations for less work.
+    """
+    args = [_call_args(e) for e in examples]
+
+    def together(*args):
+        return [pattern.compute_func(*a) for (pattern, _), a in zip(examples, args)]
+
+    with jax.disable_jit():
+        closed, shapes = jax.make_jaxpr(together, return_shape=True)(*args)
+    if closed.jaxpr.constvars:
+        (pattern, _), *_ = examples
+        raise ValueError(
+            f"GraphPattern {pattern.name!r}: compute_func closes over arrays; pass every array "
+            "as an input or a parameter."
+        )
+    return closed.jaxpr, [len(jax.tree.leaves(a)) for a in args], [len(jax.tree.leaves(s)) for s in shapes]
+
+
+def _split(jaxpr: Jaxpr, n_invars: Sequence[int], n_outvars: Sequence[int]) -> list[Jaxpr]:
+    """The jaxpr of several examples traced together (`_trace`) as one jaxpr per example, the
+    equations in their order; a `ValueError` when some equation computes on two examples' values.
+
+    Equations connected by their variables form one computation; each must hold the inputs or
+    outputs of one example only (an equation of no example's, dead code reading no input, is left
+    out: matching never reaches it).
+    """
+    parent: dict[Any, Any] = {}
+
+    def find(x: Any) -> Any:
+        while x in parent:
+            x = parent[x]
+        return x
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in (*eqn.invars, *eqn.outvars):
+            if isinstance(v, Var) and find(v) != find(i):
+                parent[find(v)] = find(i)
+    bounds_in, bounds_out = np.cumsum([0, *n_invars]), np.cumsum([0, *n_outvars])
+    invars = [jaxpr.invars[bounds_in[e] : bounds_in[e + 1]] for e in range(len(n_invars))]
+    outvars = [jaxpr.outvars[bounds_out[e] : bounds_out[e + 1]] for e in range(len(n_invars))]
+    owner: dict[Any, int] = {}
+    for e in range(len(n_invars)):
+        for v in (*invars[e], *outvars[e]):
+            if isinstance(v, Var) and owner.setdefault(find(v), e) != e:
+                raise ValueError(f"The traced examples #{owner[find(v)]} and #{e} share equations.")
+    eqns: list[list[JaxprEqn]] = [[] for _ in n_invars]
+    for i, eqn in enumerate(jaxpr.eqns):
+        if find(i) in owner:
+            eqns[owner[find(i)]].append(eqn)
+    return [Jaxpr([], ins, outs, e_eqns) for ins, outs, e_eqns in zip(invars, outvars, eqns)]
+
+
+_GRAPHS: dict[tuple[int, int], tuple[GraphPattern, PatternGraph]] = {}
+
+
+def pattern_graphs(examples: Sequence[Example]) -> list[PatternGraph]:
+    """The graphs of these examples (each a pattern and the index of one of its examples).
+
+    Each example is traced once per process; the ones not traced yet are traced together, in one
+    jaxpr (one trace costs less than many), or, when that fails (a pattern that cannot be traced
+    or computes on another's values), one by one, so that an error names its pattern.
+    """
+    missing = list({(id(p), k): (p, k) for p, k in examples if (id(p), k) not in _GRAPHS}.values())
+    if missing:
+        n_invars = [len(jax.tree.leaves(_call_args(e)[0])) for e in missing]
+        try:
+            jaxprs = _split(*_trace(missing))
+        except Exception:  # noqa: BLE001 -- traced again one by one, raising for its pattern
+            jaxprs = [_trace([example])[0] for example in missing]
+        for (pattern, k), jaxpr, n_in in zip(missing, jaxprs, n_invars):
+            # Cached with the pattern, which keeps its identity from being reused.
+            _GRAPHS[(id(pattern), k)] = (pattern, PatternGraph(pattern, jaxpr, n_in))
+    return [_GRAPHS[(id(p), k)][1] for p, k in examples]
+
+
+def _per_pattern(f: Callable[..., Any]) -> Callable[..., Any]:
+    """`functools.cache` keyed by the pattern's identity: hashing an `eqx.Module` flattens it,
+    which costs more than the look-up (the cache keeps each pattern, so no identity is reused)."""
+    cache: dict[tuple[Any, ...], tuple[GraphPattern, Any]] = {}
+
+    @functools.wraps(f)
+    def cached(pattern: GraphPattern, *args: Any) -> Any:
+        key = (id(pattern), *args)
+        if key not in cache:
+            cache[key] = (pattern, f(pattern, *args))
+        return cache[key][1]
+
+    return cached
+
+
+@_per_pattern
+def _param_ranks(pattern: GraphPattern) -> tuple[Counter[int], ...]:
+    """How many parameters of each rank each example of the pattern has."""
+    return tuple(Counter(len(p.shape) for p in jax.tree.leaves(params)) for _, params in pattern.example_args)
+
+
+def bindable_examples(pattern: GraphPattern, allowed_ranks: Counter[int]) -> list[int]:
+    """The examples of the pattern whose graphs could match where the parameters a match may bind
+    have these ranks (`allowed_ranks`: how many of each), read off the examples' shapes without
+    tracing them.
+
+    A match binds every parameter of the pattern (`_find_matches` reads them all off the binding;
+    the outputs are computed from all of them, see `PatternGraph`), each to a distinct allowed
+    parameter of the same rank (`PatternMatcher._var`), so an example with more parameters of some
+    rank than there are allowed ones of that rank cannot match.
+    """
+    return [
+        k
+        for k, needed in enumerate(_param_ranks(pattern))
+        if all(allowed_ranks[rank] >= n for rank, n in needed.items())
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
