@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
-from .graph_patterns import ExampleArgs, GraphPattern
+from .graph_patterns import GraphPattern
 from .liveness import Liveness
 
 
