@@ -3,15 +3,22 @@
 The environment must be set before JAX is imported anywhere, so this file sets it at import time.
 """
 
+import importlib.metadata
 import os
+
+from packaging.version import Version
 
 # LLVM without optimisation passes, and XLA:CPU's loop emitters instead of its MLIR fusion
 # emitters: the suite's time is mostly XLA compiling small programs, which then run for
 # milliseconds (measured: optimisation level 0, -20% on the testing-kit and solver tests; then the
 # loop emitters, whose compilation at level 0 is 2-5x faster: test_testing_kit.py's 412
 # compilations 223 s -> 98 s, test_optax.py's 293 116 s -> 42 s, on the loaded 2-core machine).
-# The same flags are passed to the tests' subprocesses (`TEST_XLA_FLAGS`).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# The same flags are passed to the tests' subprocesses (`TEST_XLA_FLAGS`). jaxlib 0.11.1 removed
+# the loop emitters' flag (XLA:CPU then aborts at start-up on "Unknown flag in XLA_FLAGS"), so it
+# is passed to older jaxlibs only.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if Version(importlib.metadata.version("jaxlib")) < Version("0.11.1"):
+    TEST_XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4 " + TEST_XLA_FLAGS
 ).strip()
