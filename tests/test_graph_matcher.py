@@ -22,6 +22,7 @@ from eqx_kfac import DEFAULT_GRAPH_PATTERNS, GraphPattern, auto_register_tags
 from eqx_kfac import register_squared_error_loss
 from eqx_kfac import register_conv2d, register_dense, register_scale_and_shift
 from eqx_kfac import LayerTag, layer_tag_of
+from eqx_kfac._tracing.jaxpr_interpreter import scan_consts_and_carry
 
 _SUBJAXPR_KEYS = {
     "jit": "jaxpr",
@@ -68,7 +69,7 @@ def _registrations(fn, args):
                 walk(inner, {iv: names[v] for iv, v in zip(inner.invars, eqn.invars) if isinstance(v, Var) and v in names})
             elif name == "scan":
                 inner = eqn.params["jaxpr"].jaxpr
-                start = eqn.params["num_consts"] + eqn.params["num_carry"]
+                start = sum(scan_consts_and_carry(eqn))
                 pairs = list(zip(inner.invars, eqn.invars))[start:]
                 walk(inner, {iv: names[v] for iv, v in pairs if isinstance(v, Var) and v in names})
 
