@@ -46,6 +46,12 @@ def enable_compilation_cache(
     return path
 
 
+# Whether the cache stores programs that hold a host callback (e.g. an `eqx.error_if`): JAX 0.11
+# and later do (the process that loads one binds its own callbacks; checked on 0.11.2 and 0.12.0.1,
+# the error still raised), JAX 0.10 leaves them out.
+CACHE_STORES_HOST_CALLBACKS = jax.__version_info__ >= (0, 11)
+
+
 def persistent_cache_enabled() -> bool:
     """Whether JAX's persistent compilation cache is on in this process (through
     `enable_compilation_cache` or JAX's own configuration)."""

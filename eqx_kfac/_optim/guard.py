@@ -12,8 +12,8 @@ happened once there are `max_consecutive_faults` (or `max_consecutive_stalls`) o
 going on in silence: in Python after a directly called `Optimizer.step` or `kfac_optax` update
 (`check`), in the program inside a trace (`checked`, one host callback, compiled in only with
 `max_consecutive_faults`), or in Python on any optimizer state (`check_consecutive_faults`), which
-keeps a user's jitted step free of host callbacks and so storable in JAX's persistent compilation
-cache. `Optimizer` and the optax transformations share this one guard.
+keeps a user's jitted step free of host callbacks, so that it exports and JAX 0.10's persistent
+compilation cache stores it. `Optimizer` and the optax transformations share this one guard.
 """
 
 import warnings
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
-from .._core.compilation_cache import persistent_cache_enabled
+from .._core.compilation_cache import CACHE_STORES_HOST_CALLBACKS, persistent_cache_enabled
 from .._core.tree import all_finite, inner_products
 
 
@@ -168,10 +168,10 @@ _STALL_CAUSES = (
 _CACHE_WARNING = (
     "eqx_kfac: JAX's persistent compilation cache is on, but this jitted step will not be stored "
     "in it: StepGuard(stop_in_program=True) stops the run from inside the program with a host "
-    "callback (eqx.error_if), and JAX does not store programs that hold one, so every process "
-    "compiles the step again. To have it stored, leave stop_in_program off (the default) and "
-    "call eqx_kfac.check_consecutive_faults(state, {n}) (or Optimizer.check(state)) on the state "
-    "after each step."
+    "callback (eqx.error_if), and JAX before 0.11 does not store programs that hold one, so "
+    "every process compiles the step again. To have it stored, use JAX 0.11 or later, or leave "
+    "stop_in_program off (the default) and call eqx_kfac.check_consecutive_faults(state, {n}) "
+    "(or Optimizer.check(state)) on the state after each step."
 )
 
 
@@ -357,11 +357,12 @@ class StepGuard(eqx.Module):
         the faults or the stalls in a row reached their limit. The error is a host callback,
         compiled in only with `stop_in_program` and `max_consecutive_faults` (otherwise the
         program has none, and
-        `check_consecutive_faults` checks both counts in Python): JAX's persistent compilation
-        cache does not store programs that contain one, so `Optimizer.step` and `kfac_optax`
-        called directly check in Python (`check`) instead, and with the cache on, tracing this
-        check warns (`_CACHE_WARNING`) so that the program's recompilation in every process is
-        not a silent surprise. Its messages are fixed when the program is traced, so they cannot
+        `check_consecutive_faults` checks both counts in Python): `jax.export` refuses programs
+        that contain one, and JAX 0.10's persistent compilation cache does not store them, so
+        `Optimizer.step` and `kfac_optax` called directly check in Python (`check`) instead, and
+        with the cache on under JAX 0.10, tracing this check warns (`_CACHE_WARNING`) so that the
+        program's recompilation in every process is not a silent surprise (JAX 0.11 and later
+        store it). Its messages are fixed when the program is traced, so they cannot
         name the first step of a run of faults or the loss.
 
         **Arguments:**
@@ -374,7 +375,7 @@ class StepGuard(eqx.Module):
         """
         if self.max_consecutive_faults is None or not self.stop_in_program:
             return state
-        if persistent_cache_enabled():
+        if persistent_cache_enabled() and not CACHE_STORES_HOST_CALLBACKS:
             warnings.warn(_CACHE_WARNING.format(n=self.max_consecutive_faults), UserWarning, stacklevel=2)
         failed = self._failed(state.consecutive_faults)
         stalled = self._stalled(state.consecutive_stalls)

@@ -159,10 +159,11 @@ def skip_non_finite(
     resolution (zero, or of norm at most `eps` times the parameters'; `params` must be passed to
     `update` for the second), the run stops with an error that says what happened. Called outside
     `jit`, the update is one compiled program and the error is raised in Python after it; inside
-    your `jit` it is raised at run time by a host callback, which JAX's persistent compilation
-    cache does not store: to have your jitted step stored, pass `max_consecutive_faults=None` and
-    call `eqx_kfac.check_consecutive_faults(state, n)` after each step instead (tracing the step
-    with the cache on and the check compiled in warns).
+    your `jit` it is raised at run time by a host callback, which JAX 0.10's persistent
+    compilation cache does not store (0.11 and later do): to have your jitted step stored there,
+    pass `max_consecutive_faults=None` and call `eqx_kfac.check_consecutive_faults(state, n)`
+    after each step instead (under JAX 0.10, tracing the step with the cache on and the check
+    compiled in warns).
 
     **Arguments:**
 

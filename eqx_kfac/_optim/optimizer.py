@@ -343,9 +343,9 @@ class AbstractKFACOptimizer(AbstractOptimizer):
 
     def _checked_faults(self, out: tuple[Any, ...]) -> tuple[Any, ...]:
         """The step's outputs, once the guard has checked its count of faults in a row: in
-        Python when the step ran (its compiled program then holds no host callback, so JAX's
-        persistent compilation cache can store it), inside the caller's trace only with the
-        guard's `stop_in_program`."""
+        Python when the step ran (its compiled program then holds no host callback, so it
+        exports, and JAX 0.10's persistent compilation cache can store it), inside the caller's
+        trace only with the guard's `stop_in_program`."""
         new_state = out[1]
         if isinstance(new_state.step_counter, jax.core.Tracer):
             checked = self.guard.checked(new_state.guard_state)
