@@ -3,7 +3,10 @@
 #
 #     OUT=benchmarks/results/device bash benchmarks/device_check.sh 500
 #
-# Runs, each stopped at the deadline's remaining seconds: the six examples of
+# Runs, each stopped at the deadline's remaining seconds: the test suite on the device's JAX (on
+# its host CPU, as tests/conftest.py sets JAX_PLATFORMS=cpu; xdist's workers when the device has
+# pytest-xdist; a test module needing a package the device lacks, such as hypothesis, is reported
+# as a collection error and the others run), then the six examples of
 # benchmarks/examples.py (issue 27's budgets; the MNIST CNN and the diffusion Mixer first, for
 # the step-ratio targets), benchmarks/step_time.py without the peer (kfac-jax is not installed
 # there), then the U-Net's first calls with what time is left. Writes $OUT/log.txt (everything
@@ -15,6 +18,11 @@ source benchmarks/device_common.sh "${1:-500}" log.txt
 
 python3 -c "import jax, equinox, eqx_kfac; print('jax', jax.__version__, 'equinox', equinox.__version__, jax.devices())" 2>&1 | tee -a "$log"
 nvidia-smi -L 2>&1 | tee -a "$log"
+workers="-p no:xdist"
+python3 -c "import xdist" 2>/dev/null && workers="-n 8 --dist loadfile"
+# shellcheck disable=SC2086
+timed suite python3 -m pytest -q -p no:cacheprovider -o addopts="" $workers \
+    --jaxtyping-packages=eqx_kfac,beartype.beartype --continue-on-collection-errors
 for name in mnist_cnn diffusion_mixer rnn stateful frozen_layer vit; do
     timed "$name" python3 benchmarks/examples.py --examples "$name" --save "$scratch/$name.md"
     [[ -f $scratch/$name.md ]] && cat "$scratch/$name.md" >> "$OUT/examples.md"
