@@ -29,6 +29,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .._core import distributed as _distributed
 from .._core.compiled import for_compile_time
@@ -77,15 +78,21 @@ def _maybe_sharded(optimizer: AbstractOptimizer, fn: Callable[..., Any], *args: 
 def _placer(optimizer: AbstractOptimizer) -> Callable[[tuple[Any, ...]], tuple[Any, ...]] | None:
     """The placement of a program's arguments `(optimizer, params, state, rng, batch, ...)` on the
     mesh as the multi-device program returns its outputs (`placed_on_mesh`), or `None` on one
-    device. `FlatJit` places them before a call only when they do not lie there already: the first
-    step (the caller's arrays) and the next (the first one's outputs) then run one compiled program;
-    they compiled it twice."""
+    device or with several processes. `FlatJit` places them before a call only when they do not
+    lie there already: the first step (the caller's arrays) and the next (the first one's
+    outputs) then run one compiled program; they compiled it twice."""
     if not optimizer.multi_device:
+        return None
+    mesh = device_mesh(optimizer)
+    if not NamedSharding(mesh, PartitionSpec()).is_fully_addressable:
+        # (Several processes: a process's arrays cannot be put on the global mesh here, and
+        # `FlatJit` would put the step's outputs back where the caller's arrays were; `jit`
+        # places them.)
         return None
     is_state = _is_state if optimizer.shard_state else None
 
     def place(args: tuple[Any, ...]) -> tuple[Any, ...]:
-        placed = _distributed.placed_on_mesh(args[1:], device_mesh(optimizer), optimizer.pmap_axis_name, 3, is_state)
+        placed = _distributed.placed_on_mesh(args[1:], mesh, optimizer.pmap_axis_name, 3, is_state)
         return (args[0], *placed)
 
     return place
