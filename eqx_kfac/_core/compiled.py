@@ -49,9 +49,12 @@ def for_compile_time(options: Any) -> tuple[tuple[str, Any], ...]:
 
 ONE_OFF_COMPILER_OPTIONS = types.MappingProxyType(dict(for_compile_time(COMPILER_OPTIONS)))
 """The XLA options of a program the library runs once (the loss checks' one evaluation of the
-loss, `_curvature/estimators/loss_checks.py`): its compilation is the whole cost, so LLVM does
-not optimise its kernels and a GPU's GEMMs are not autotuned. On the 2-core CPU, the ViT of
-`benchmarks/examples.py`: the checks took 2.2-2.4 s with `COMPILER_OPTIONS`, 1.8-1.9 s with these."""
+loss, `_curvature/estimators/loss_checks.py`; `init`'s program building the optimizer state): its
+compilation is the whole cost, so LLVM does not optimise its kernels and a GPU's GEMMs are not
+autotuned. On the 2-core CPU, the ViT of
+`benchmarks/examples.py`: the checks took 2.2-2.4 s with `COMPILER_OPTIONS`, 1.8-1.9 s with these;
+FermiNet's He `init` (through `eqx_kfac.kfac_jax`) 1.21 CPU s with the state's program compiled
+with `COMPILER_OPTIONS`, 1.17-1.19 s with these (three alternated runs each)."""
 
 
 @eqx.filter_jit(compiler_options=dict(COMPILER_OPTIONS))
