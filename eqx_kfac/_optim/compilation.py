@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._core import distributed as _distributed
 from .._core.compiled import for_compile_time, ONE_OFF_COMPILER_OPTIONS
 from .._core.flat_jit import FlatJit
-from .._core.tree import any_traced, under_a_trace
+from .._core.tree import any_traced
 from .abstract_optimizer import AbstractOptimizer
 from .arguments import tree_difference
 from .optimizer_state import new_state, OptimizerState
@@ -165,7 +165,7 @@ def initial_state(
         lay_out = functools.partial(_distributed.lay_out, mesh=mesh, is_state=_is_state)
     # (JAX takes compiler options on an outermost `jit` only: none inside a caller's trace, such
     # as `eqx.filter_eval_shape(optimizer.init, ...)`.)
-    options = None if any_traced(args) or under_a_trace() else dict(ONE_OFF_COMPILER_OPTIONS)
+    options = None if any_traced(args) else dict(ONE_OFF_COMPILER_OPTIONS)
     if lay_out is None:
         return eqx.filter_jit(build, compiler_options=options)(*args)
     return eqx.filter_jit(lambda *a: lay_out(build(*a)), compiler_options=options)(*args)
