@@ -24,6 +24,20 @@ import numpy as np
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
+def _split(leaves: list[Any]) -> tuple[list[Any], list[int]]:
+    """The leaves with their arrays left out (`None`), and the arrays' positions."""
+    template = [None if isinstance(x, _ARRAY_TYPES) else x for x in leaves]
+    return template, [i for i, x in enumerate(leaves) if isinstance(x, _ARRAY_TYPES)]
+
+
+def _filled(leaves: list[Any], positions: list[int], values: Any) -> list[Any]:
+    """A copy of `leaves` with `values` at `positions`."""
+    leaves = list(leaves)
+    for position, x in zip(positions, values):
+        leaves[position] = x
+    return leaves
+
+
 class _Program:
     """What the calls of one argument structure share: the positions of the array leaves, the
     static leaves, the jitted function of the arrays, the outputs' structure (known once traced)
@@ -34,8 +48,7 @@ class _Program:
         compiler_options: dict[str, Any] | None,
     ):
         self.treedef = treedef
-        self.template = [None if isinstance(x, _ARRAY_TYPES) else x for x in leaves]
-        self.positions = [i for i, x in enumerate(leaves) if isinstance(x, _ARRAY_TYPES)]
+        self.template, self.positions = _split(leaves)
         owner, ends = 0, np.cumsum([child.num_leaves for child in treedef.children()])
         donated = []
         for k, position in enumerate(self.positions):
@@ -50,8 +63,8 @@ class _Program:
     def _flat(self, fn: Callable[..., Any]) -> Callable[..., list[Any]]:
         def flat(*arrays: Any) -> list[Any]:
             out_leaves, out_def = jax.tree.flatten(fn(*self.arguments(arrays)))
-            out_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, _ARRAY_TYPES)]
-            self.out = (out_def, [None if isinstance(x, _ARRAY_TYPES) else x for x in out_leaves], out_positions)
+            out_template, out_positions = _split(out_leaves)
+            self.out = (out_def, out_template, out_positions)
             return [out_leaves[i] for i in out_positions]
 
         # (Named as `fn`, as the compilation's log and `jax.monitoring` events name it; not
@@ -60,18 +73,12 @@ class _Program:
         return flat
 
     def arguments(self, arrays: Any) -> tuple[Any, ...]:
-        leaves = list(self.template)
-        for position, x in zip(self.positions, arrays):
-            leaves[position] = x
-        return jax.tree.unflatten(self.treedef, leaves)
+        return jax.tree.unflatten(self.treedef, _filled(self.template, self.positions, arrays))
 
     def outputs(self, arrays: list[Any]) -> Any:
         assert self.out is not None  # (set when `jitted` traced `flat`)
-        out_def, leaves, positions = self.out
-        leaves = list(leaves)
-        for position, x in zip(positions, arrays):
-            leaves[position] = x
-        return jax.tree.unflatten(out_def, leaves)
+        out_def, template, positions = self.out
+        return jax.tree.unflatten(out_def, _filled(template, positions, arrays))
 
     def placed(self, arrays: list[Any]) -> list[Any]:
         """`arrays`, each where the first call placed its counterpart (`jax.device_put` of those
@@ -79,11 +86,8 @@ class _Program:
         moved = [k for k, (x, s) in enumerate(zip(arrays, self.shardings)) if getattr(x, "sharding", None) != s]
         if not moved:
             return arrays
-        arrays = list(arrays)
         put = jax.device_put([arrays[k] for k in moved], [self.shardings[k] for k in moved])
-        for k, x in zip(moved, put):
-            arrays[k] = x
-        return arrays
+        return _filled(arrays, moved, put)
 
 
 class FlatJit:
