@@ -142,7 +142,7 @@ def main() -> None:
     intervals = [b - a for a, b in zip(steps.times, steps.times[1:])]
     print(f"FermiNet HEAD (unmodified) on {args.atom}, {args.envelope} envelope ({jax.local_device_count()} devices): {args.iterations} "
           f"iterations in {elapsed:.1f} s; median iteration after the first "
-          f"{statistics.median(intervals[1:] or intervals or [math.nan]):.3f} s")
+          f"{1e3 * statistics.median(intervals[1:] or intervals or [math.nan]):.2f} ms")
     print("\n".join(stats[:3] + ["..."] + stats[-3:]))
 
 

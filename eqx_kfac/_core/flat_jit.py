@@ -126,7 +126,7 @@ class FlatJit:
         traced = any(isinstance(x, jax.core.Tracer) for x in arrays)
         key = (
             traced, treedef, tuple(x for x in leaves if not isinstance(x, _ARRAY_TYPES)),
-            tuple(np.shape(x) for x in arrays),
+            tuple(x.shape for x in arrays),
         )
         program = self._programs.get(key)
         if program is None:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
+from .._core.methods import pytree_method
 from .hyperparameters import AbstractHyperparameter, GivenHyperparameter, ScheduledHyperparameter
 from .quadratic_model import (
     approximate_quadratic_model,
@@ -130,6 +131,7 @@ class AbstractDampingRule(eqx.Module):
         A scalar.
         """
 
+    @pytree_method
     def calibrates(self) -> bool:
         """Whether a directly called first step calibrates this rule's initial damping first
         (repeating the step's adaptation on its batch until the damping stops changing)."""
@@ -169,6 +171,7 @@ class _AbstractValueDamping(AbstractDampingRule):
     def value(self, state, context):
         return self.source.range(context.given.damping, context.step, context.data_seen).lower
 
+    @pytree_method
     def check(self, given):
         self.source.check(given.damping, "damping")
 
@@ -266,12 +269,14 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     def init(self, dtype):
         return DampingState(jnp.asarray(self.initial_damping, dtype))
 
+    @pytree_method
     def calibrates(self):
         return self.calibrate
 
     def value(self, state, context):
         return state.damping
 
+    @pytree_method
     def check(self, given):
         if given.damping is not None:
             raise ValueError(

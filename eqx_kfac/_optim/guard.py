@@ -26,6 +26,7 @@ import optax
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from .._core.compilation_cache import CACHE_STORES_HOST_CALLBACKS, persistent_cache_enabled
+from .._core.methods import pytree_method
 from .._core.tree import all_finite, inner_products
 
 
@@ -333,6 +334,7 @@ class StepGuard(eqx.Module):
     def _stall_message(self, cause: int, loss: str) -> str:
         return _STALL_MESSAGE.format(n=self.max_consecutive_stalls, loss=loss, cause=_STALL_CAUSES[cause - 1])
 
+    @pytree_method
     def check(self, state: GuardState) -> None:
         """Raises `RuntimeError` (in Python, on a concrete state) when the faults in a row reached
         `max_consecutive_faults` (naming the first of them), or the stalls in a row

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
+from .._core.methods import pytree_method
+
 Schedule = Callable[..., ArrayLike]
 
 
@@ -103,6 +105,7 @@ class GivenHyperparameter(AbstractHyperparameter):
     def range(self, given, step, data_seen):
         return CoefficientRange.point(given)
 
+    @pytree_method
     def check(self, given, name):
         if given is None:
             raise ValueError(
@@ -127,6 +130,7 @@ class ScheduledHyperparameter(AbstractHyperparameter):
     def range(self, given, step, data_seen):
         return CoefficientRange.point(call_schedule(self.schedule, step, data_seen))
 
+    @pytree_method
     def check(self, given, name):
         if given is not None:
             raise ValueError(
@@ -159,6 +163,7 @@ class AdaptiveHyperparameter(AbstractHyperparameter):
     def range(self, given, step, data_seen):
         return CoefficientRange(jnp.asarray(self.lower), jnp.asarray(self.upper))
 
+    @pytree_method
     def check(self, given, name):
         if given is not None:
             raise ValueError(

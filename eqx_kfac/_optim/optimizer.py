@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._core.methods import pytree_method
 from .._core.tree import signature
 from .._tracing.derivative_rules import abstract_outputs
 from .._curvature.estimators import BlockDiagonalCurvature, ImplicitExactCurvature
@@ -215,6 +216,7 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         check_batch(state.batch_signature, batch, "batch given to state_for_batch", shapes=False)
         return dataclasses.replace(state, batch_signature=signature(batch))
 
+    @pytree_method
     def _check_step_arguments(
         self, params: Any, state: Any, rng: Any, batch: Any, func_state: Any, given: GivenValues
     ) -> None:
@@ -231,6 +233,7 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         if not isinstance(state.step_counter, jax.core.Tracer):
             check_not_deleted((params, state, rng, batch, func_state), self.donated)
 
+    @pytree_method
     def step(
         self,
         params: PyTree,
@@ -297,9 +300,11 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         out = compiled_step(self, args, in_graph)
         return self._checked_faults(undone_if_not_processed(state, burned.state, out, step_int))
 
+    @pytree_method
     def _needs_step_int(self) -> bool:
         return self.refresh.num_burnin_steps > 0 or self.damping_rule.calibrates()
 
+    @pytree_method
     def _checked_arguments(
         self, params: Any, state: Any, rng: Any, data_iterator: Any, batch: Any, func_state: Any,
         values: tuple[Any, Any, Any], global_step_int: int | None,
@@ -327,6 +332,7 @@ class AbstractKFACOptimizer(AbstractOptimizer):
             )
         return given
 
+    @pytree_method
     def check(self, state: OptimizerState) -> None:
         """Raises `RuntimeError` when the guard's limits are reached: `max_consecutive_faults`
         steps in a row not applied (naming the first), or `max_consecutive_stalls` applied steps
@@ -341,6 +347,7 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         """
         self.guard.check(state.guard_state)
 
+    @pytree_method
     def _checked_faults(self, out: tuple[Any, ...]) -> tuple[Any, ...]:
         """The step's outputs, once the guard has checked its count of faults in a row: in
         Python when the step ran (its compiled program then holds no host callback, so it

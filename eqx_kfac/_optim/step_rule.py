@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
+from .._core.methods import pytree_method
 from .hyperparameters import AbstractHyperparameter, CoefficientRange, GivenHyperparameter
 from .quadratic_model import exact_quadratic_model, solve_quadratic_model
 from .step_context import GivenValues, StepContext
@@ -165,6 +166,7 @@ class MomentumStep(AbstractStepRule):
     def init(self, params):
         return MomentumState(jax.tree.map(_wide, params))
 
+    @pytree_method
     def check(self, given):
         self.learning_rate.check(given.learning_rate, "learning_rate")
         self.momentum.check(given.momentum, "momentum")

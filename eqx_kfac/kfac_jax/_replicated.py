@@ -9,7 +9,6 @@ convert between the two.
 
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,8 +99,9 @@ def _merged_leaf(x: Any) -> Any:
     return jnp.reshape(x, (-1, *jnp.shape(x)[2:]))
 
 
-# One program for the whole batch (eagerly, one per array shape).
-_merged = eqx.filter_jit(lambda batch: jax.tree.map(_merged_leaf, batch))
+# One program for the whole batch, `jax.jit`'s own dispatch (`eqx.filter_jit`'s took 0.65 ms of
+# FermiNet He's 4.8 ms step): kfac-jax's batches hold arrays only, as its `pmap` requires.
+_merged = jax.jit(lambda batch: jax.tree.map(_merged_leaf, batch))
 
 
 def merged_batch(batch: PyTree) -> PyTree:

@@ -11,6 +11,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._core.compiled import COMPILER_OPTIONS
+from .._core.methods import pytree_method
 from .._optim.damping import AbstractDampingRule
 from .._optim.direction import AbstractDirection
 from .._optim.execution import MultiDevice, StepOptions
@@ -134,6 +135,7 @@ class Optimizer(AbstractKFACOptimizer):
         self.devices = parts.devices
         self.options = parts.options
 
+    @pytree_method
     def _replicated_convention(self, rng: Any) -> bool:
         return self.multi_device and is_per_device(rng)
 
@@ -164,6 +166,7 @@ class Optimizer(AbstractKFACOptimizer):
             first_copy_on_host(func_state), lay_out=copies,
         )
 
+    @pytree_method
     def step(
         self, params: PyTree, state: OptimizerState, rng: PerDeviceKeys, data_iterator: Any = None,
         batch: PyTree = None, func_state: PyTree = None, learning_rate: ArrayLike | None = None,
