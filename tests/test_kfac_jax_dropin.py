@@ -221,7 +221,7 @@ def test_keywords_that_map_or_are_ignored():
     assert dict(manual.preconditioner.curvature.auto_register_kwargs)["auto_register_tags"] is False
 
 
-def test_pmap_helpers_on_four_devices():
+def test_pmap_helpers_on_four_devices(monkeypatch):
     n = jax.local_device_count()
     assert n == 4
     tree = {"w": jnp.arange(6.0).reshape(2, 3), "s": jnp.asarray(2.0)}
@@ -238,6 +238,14 @@ def test_pmap_helpers_on_four_devices():
     np.testing.assert_array_equal(jax.random.key_data(first), jax.random.key_data(expected[:, 0]))
     np.testing.assert_array_equal(jax.random.key_data(second), jax.random.key_data(expected[:, 1]))
     assert len(kfac_jax.utils.p_split_num(keys, 3)) == 3
+    # One compiled program, the stacks split over the devices as the keys came: FermiNet calls
+    # p_split twice per iteration, and its eager `vmap` ran `jax.random.split` at every call (3 ms).
+    split, splits = jax.random.split, []
+    monkeypatch.setattr(jax.random, "split", lambda *a, **k: splits.append(1) or split(*a, **k))
+    for _ in range(3):
+        first, second = kfac_jax.utils.p_split(first)
+    assert len(splits) <= 1
+    assert first.sharding.is_equivalent_to(keys.sharding, 1) and len(second.sharding.device_set) == n
 
     mesh = jax.make_mesh((n,), ("batch_axis",))
     x = jax.device_put(jnp.arange(float(n)), jax.NamedSharding(mesh, jax.P("batch_axis")))
