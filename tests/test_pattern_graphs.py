@@ -2,6 +2,7 @@
 traces to alone, only the examples whose parameters fit a function's are traced, and a broken user
 pattern is still reported by name (internal on purpose: what is traced is not public)."""
 
+import warnings
 from collections import Counter
 
 import equinox as eqx
@@ -48,6 +49,17 @@ def test_examples_traced_together_give_the_graphs_traced_alone():
         n_in = len(jax.tree.leaves(inputs))
         together = PatternGraph(pattern, jaxpr, n_in)
         assert _canonical(together) == _canonical(PatternGraph(pattern, alone.jaxpr, n_in)), (pattern.name, k)
+
+
+def test_split_jaxprs_carry_debug_info_so_jax_does_not_warn():
+    # JAX deprecates a `Jaxpr` built without a `DebugInfo` (a `DeprecationWarning` per example,
+    # seen by a user whose first `init` traces the patterns).
+    examples = [(p, k) for p in DEFAULT_GRAPH_PATTERNS[:2] for k in range(len(p.example_args))]
+    traced = pattern_matching._trace(examples)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxprs = pattern_matching._split(*traced)
+    assert all(j.debug_info is not None for j in jaxprs)
 
 
 def test_split_refuses_equations_of_two_examples():

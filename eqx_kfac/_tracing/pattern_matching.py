@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import DebugInfo, Jaxpr, JaxprEqn, Literal, Var
 
 from .graph_patterns import GraphPattern
 from .liveness import Liveness
@@ -271,7 +271,9 @@ def _split(jaxpr: Jaxpr, n_invars: Sequence[int], n_outvars: Sequence[int]) -> l
     for i, eqn in enumerate(jaxpr.eqns):
         if find(i) in owner:
             eqns[owner[find(i)]].append(eqn)
-    return [Jaxpr([], ins, outs, e_eqns) for ins, outs, e_eqns in zip(invars, outvars, eqns)]
+    # (With its `DebugInfo`: JAX warns, deprecating it, of a `Jaxpr` built without one.)
+    debug = DebugInfo("eqx_kfac", "graph pattern example", None, None)
+    return [Jaxpr([], ins, outs, e_eqns, debug_info=debug) for ins, outs, e_eqns in zip(invars, outvars, eqns)]
 
 
 _GRAPHS: dict[tuple[int, int], tuple[GraphPattern, PatternGraph]] = {}

@@ -248,10 +248,10 @@ class TracedFunction:
             return jax.jvp(lambda p: cut(p, o), (p,), (t,))[1]
 
         params = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.closed_jaxpr.jaxpr.invars[: self.num_params]]
-        jaxpr = jax.make_jaxpr(tangents)(params, list(others), params).jaxpr
-        loss_ins, layer_ins, layers = jax.tree.unflatten(
-            jax.tree.structure(jax.eval_shape(tangents, params, list(others), params)), jaxpr.outvars
-        )
+        # (One trace: `return_shape` gives the outputs' structure, which `eval_shape` traced again.)
+        closed, shapes = jax.make_jaxpr(tangents, return_shape=True)(params, list(others), params)
+        jaxpr = closed.jaxpr
+        loss_ins, layer_ins, layers = jax.tree.unflatten(jax.tree.structure(shapes), jaxpr.outvars)
         n_front = len(jaxpr.invars) - self.num_params
 
         def used_params(outvars) -> set[int]:

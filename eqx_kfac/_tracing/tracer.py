@@ -187,9 +187,8 @@ def registration_problems(traced: TracedFunction, func_args: Sequence[Any]) -> l
     def inputs(o, p, t):
         return jax.jvp(lambda q: _losses_and_inputs(traced, o)(q)[0], (p,), (t,))
 
-    closed = jax.make_jaxpr(inputs)(others, params, params)
-    structure = jax.tree.structure(jax.eval_shape(inputs, others, params, params))
-    primal_outs, tangent_outs = jax.tree.unflatten(structure, closed.jaxpr.outvars)
+    closed, shapes = jax.make_jaxpr(inputs, return_shape=True)(others, params, params)
+    primal_outs, tangent_outs = jax.tree.unflatten(jax.tree.structure(shapes), closed.jaxpr.outvars)
     names = [f"registered loss #{k} ({cls.__name__})" for k, cls in enumerate(traced.loss_classes)]
     # A loss tag returns its inputs: a loss registered on what another one returned has its inputs.
     source = {}  # by `id`: a jaxpr's literals are not hashable
