@@ -209,8 +209,9 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
 
     Every `interval` steps (and in every trial of the initial damping's calibration),
     `ρ = (L(θ + δ) - L(θ)) / Δq` compares the loss change with the
-    quadratic model's prediction `Δq` (the step rule's, or, when it computed none, the model of
-    the update `δ` with the K-FAC estimate, or with the exact curvature when `always_exact`); the
+    quadratic model's prediction `Δq` (the step rule's, or, when it computed none or with
+    `own_prediction`, the model of the update `δ` with the K-FAC estimate, or with the exact
+    curvature when `always_exact`); the
     damping is multiplied by `decay ** interval` when `ρ > upper`, divided by it when
     `ρ < lower` (or `ρ` is NaN). A step the guard did not apply (a rejected step, or an update
     that was not finite) then multiplies the damping by `fault_increase` at once (kfac-jax's
@@ -230,6 +231,13 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     - `calibrate`: before the first step (called outside `jit`), repeat its damping adaptation
       on its batch until the damping stops changing, at most 100 times (kfac-jax's
       `use_initial_damping_calibration`).
+    - `own_prediction`: compute `Δq` as above also when the step rule gave its own. The adaptive
+      step rule predicts with the exact curvature and chooses the coefficients that minimize
+      that model, so its `Δq` matches the loss change (`ρ` near 1) whatever the damping, and the
+      damping falls to `minimum` within a few dozen steps and stays there while the adapted
+      learning rate shrinks; predicted with the K-FAC estimate, `ρ` measures how well the damped
+      estimate models the loss along the step, and the damping keeps steering (one K-FAC
+      product per adaptation, every `interval` steps).
     - `raise_at_once`: between the intervals, when the step computed both the loss after the
       update (step rejection) and the model's predicted change (adaptive coefficients), a `ρ`
       below `lower` raises the damping at once instead of at the next interval (decreases still
@@ -248,6 +256,7 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     fault_increase: float = eqx.field(static=True, default=1.0)
     raise_at_once: bool = eqx.field(static=True, default=False)
     calibrate: bool = eqx.field(static=True, default=False)
+    own_prediction: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         problems = []
@@ -287,7 +296,7 @@ class LevenbergMarquardtDamping(AbstractDampingRule):
     def _adapt(
         self, state: DampingState, damping: Array, outcome: StepOutcome, context: StepContext
     ) -> tuple[Array, DampingReport]:
-        change = outcome.quad_change
+        change = None if self.own_prediction else outcome.quad_change
         if change is None:
             model_of = exact_quadratic_model if self.always_exact else approximate_quadratic_model
             change = solve_quadratic_model(
