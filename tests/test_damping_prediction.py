@@ -36,3 +36,12 @@ def test_predicted_with_the_kfac_estimate_the_damping_keeps_steering():
     # Measured (digits MLP, seeds 0-2): 5e-4 to 1.2e-3 at step 100, against the floor.
     assert own_damping[-1] > 100 * default_damping[-1]
     assert np.all(np.isfinite(own_losses)) and own_losses[-10:].mean() < 0.1 * own_losses[0]
+
+
+def test_the_benchmark_prints_both_rules(capsys):
+    from benchmarks import damping_prediction
+
+    damping_prediction.main(["--problems", "mlp", "--seeds", "1", "--steps", "12"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["mlp seed 1 default", "mlp seed 1 own_prediction"]
+    assert all("damping at steps [0, 50, 100, 200, 400, 11]" in line for line in lines)
