@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .tree import filled
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
@@ -28,14 +29,6 @@ def _split(leaves: list[Any]) -> tuple[list[Any], list[int]]:
     """The leaves with their arrays left out (`None`), and the arrays' positions."""
     template = [None if isinstance(x, _ARRAY_TYPES) else x for x in leaves]
     return template, [i for i, x in enumerate(leaves) if isinstance(x, _ARRAY_TYPES)]
-
-
-def _filled(leaves: list[Any], positions: list[int], values: Any) -> list[Any]:
-    """A copy of `leaves` with `values` at `positions`."""
-    leaves = list(leaves)
-    for position, x in zip(positions, values):
-        leaves[position] = x
-    return leaves
 
 
 class _Program:
@@ -73,12 +66,12 @@ class _Program:
         return flat
 
     def arguments(self, arrays: Any) -> tuple[Any, ...]:
-        return jax.tree.unflatten(self.treedef, _filled(self.template, self.positions, arrays))
+        return jax.tree.unflatten(self.treedef, filled(self.template, self.positions, arrays))
 
     def outputs(self, arrays: list[Any]) -> Any:
         assert self.out is not None  # (set when `jitted` traced `flat`)
         out_def, template, positions = self.out
-        return jax.tree.unflatten(out_def, _filled(template, positions, arrays))
+        return jax.tree.unflatten(out_def, filled(template, positions, arrays))
 
     def placed(self, arrays: list[Any]) -> list[Any]:
         """`arrays`, each where the first call placed its counterpart (`jax.device_put` of those
@@ -87,7 +80,7 @@ class _Program:
         if not moved:
             return arrays
         put = jax.device_put([arrays[k] for k in moved], [self.shardings[k] for k in moved])
-        return _filled(arrays, moved, put)
+        return filled(arrays, moved, put)
 
 
 class FlatJit:

@@ -146,6 +146,26 @@ def abstract_arrays(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, tree)
 
 
+def filled(leaves: Sequence[Any], positions: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    """A copy of `leaves` with `values` at `positions` (the arrays of a flattened tree put back
+    among its other leaves).
+
+    **Arguments:**
+
+    - `leaves`: a flat list, e.g. of a tree's leaves.
+    - `positions`: the indices to fill, one per value.
+    - `values`: the new values.
+
+    **Returns:**
+
+    The new list.
+    """
+    leaves = list(leaves)
+    for position, x in zip(positions, values):
+        leaves[position] = x
+    return leaves
+
+
 def any_traced(tree: PyTree) -> bool:
     """Whether any leaf of `tree` is a tracer (the tree is being traced by `jit`, `vmap`, ...).
 

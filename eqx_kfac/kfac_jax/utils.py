@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 from jax.typing import ArrayLike, DTypeLike
 
+from .._core.tree import filled
 from .._curvature.estimators import default_batch_size_extractor as default_batch_size_extractor
 from ._block_adapter import WeightedMovingAverage as WeightedMovingAverage
 from ._axes import in_pmap as in_pmap, pmean_if_pmap as pmean_if_pmap
@@ -176,9 +177,7 @@ def device_contents_placed(obj: PyTree, n: int, sharding: jax.sharding.Sharding 
     leaves, treedef = jax.tree.flatten(obj)
     positions = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim > 0]
     taken = _taker(n, sharding)([leaves[k] for k in positions])
-    for k, x in zip(positions, taken):
-        leaves[k] = x
-    return jax.tree.unflatten(treedef, leaves)
+    return jax.tree.unflatten(treedef, filled(leaves, positions, taken))
 
 
 def get_device_n_contents(obj: PyTree, n: int) -> PyTree:
