@@ -14,6 +14,7 @@ tuned baseline's final loss).
 """
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -23,12 +24,10 @@ from benchmarks import stability
 from benchmarks.harness import Method, Run, run_round, train
 from benchmarks.harness.record import WINDOW
 from eqx_kfac import LevenbergMarquardtDamping
+from eqx_kfac._optim.optimizer import DEFAULT_DAMPING
 
 # The default damping rule, and the same rule predicting with the K-FAC estimate.
-RULES = {
-    "default": LevenbergMarquardtDamping(1e-2, minimum=1e-6, fault_increase=2.0),
-    "own_prediction": LevenbergMarquardtDamping(1e-2, minimum=1e-6, fault_increase=2.0, own_prediction=True),
-}
+RULES = {"default": DEFAULT_DAMPING, "own_prediction": dataclasses.replace(DEFAULT_DAMPING, own_prediction=True)}
 
 
 def _method(rule: LevenbergMarquardtDamping) -> Method:
