@@ -211,6 +211,7 @@ from ._optim.step_rule import (
     StepCoefficients as StepCoefficients,
     StepProposal as StepProposal,
 )
+from ._optim.warm_start import WarmStart as WarmStart, WarmStartState as WarmStartState
 from ._pinn import (
     adapted_damping as adapted_damping,
     damped_linesearch as damped_linesearch,

@@ -14,6 +14,7 @@ What is an array, and what is static, is as for `eqx.filter_jit`: arrays (`jax.A
 arrays and scalars) are traced, every other leaf is static (compared by equality, so hashable).
 """
 
+import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -51,6 +52,7 @@ class _Program:
                 donated.append(k)
         self.out: tuple[Any, list[Any], list[int]] | None = None
         self.shardings: list[Any] | None = None
+        self.background: Background | None = None
         self.jitted = jax.jit(self._flat(fn), donate_argnums=tuple(donated), compiler_options=compiler_options)
 
     def _flat(self, fn: Callable[..., Any]) -> Callable[..., list[Any]]:
@@ -148,6 +150,9 @@ class FlatJit:
         `fn`'s outputs.
         """
         program, arrays = self._prepared(args, place)
+        if program.background is not None:  # compiling in a thread: wait for it, not compile again
+            program.background.wait()
+            program.background = None
         return program.outputs(program.jitted(*arrays))
 
     def lower(self, *args: Any, place: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None) -> Any:
@@ -164,3 +169,52 @@ class FlatJit:
         """
         program, arrays = self._prepared(args, place)
         return program.jitted.lower(*arrays)
+
+    def compile_in_background(
+        self, *args: Any, place: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
+    ) -> "Background":
+        """Starts compiling the program of `self(*args, place=place)` in a thread of its own (XLA
+        compiles without Python's lock, so the caller goes on meanwhile), once per structure: a
+        call of that program waits for the thread instead of compiling it again.
+
+        **Arguments:**
+
+        - `args`, `place`: as for a call (outside a trace).
+
+        **Returns:**
+
+        The compilation's `Background` handle (the same one while it is pending; a finished one
+        once the program has been called).
+        """
+        program, arrays = self._prepared(args, place)
+        if program.background is None:
+            program.background = Background(lambda: program.jitted.lower(*arrays).compile())
+        return program.background
+
+
+class Background:
+    """A function run in a daemon thread. An error in it is dropped: the program's own call
+    traces and compiles it again, and raises the error in the caller's thread.
+
+    **Arguments:**
+
+    - `fn`: the function.
+    """
+
+    def __init__(self, fn: Callable[[], Any]):
+        def run() -> None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 -- raised again by the call, in the caller's thread
+                pass
+
+        self._thread = threading.Thread(target=run, name="eqx_kfac-compile", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the function has returned."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Returns once the function has returned."""
+        self._thread.join()

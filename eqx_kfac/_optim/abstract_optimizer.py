@@ -21,6 +21,7 @@ from .preconditioner import Preconditioner
 from .refresh import AbstractRefreshSchedule
 from .step_rule import AbstractStepRule
 from .value_function import ValueFunction
+from .warm_start import WarmStart
 
 
 class AbstractOptimizer(eqx.Module):
@@ -34,6 +35,7 @@ class AbstractOptimizer(eqx.Module):
     - `step_rule`, `damping_rule`, `guard`: the other parts.
     - `devices`: a `MultiDevice`, or `None` for one device.
     - `options`: the `StepOptions` (donation, compiler options, norms in `stats`).
+    - `warm_start`: a `WarmStart` (first-order steps while the K-FAC programs compile), or `None`.
     """
 
     function: eqx.AbstractVar[ValueFunction]
@@ -44,6 +46,7 @@ class AbstractOptimizer(eqx.Module):
     guard: eqx.AbstractVar[StepGuard]
     devices: eqx.AbstractVar[MultiDevice | None]
     options: eqx.AbstractVar[StepOptions]
+    warm_start: eqx.AbstractVar[WarmStart | None]
 
     @property
     def refresh(self) -> AbstractRefreshSchedule:

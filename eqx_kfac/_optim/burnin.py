@@ -26,12 +26,10 @@ class BurnedIn(eqx.Module):
 
     - `state`: the state after the burn-in's updates (the given one when there were none).
     - `batch`: the step's own batch, the next one after the burn-in's.
-    - `compiling`: the handle of the step's compilation started meanwhile, or `None`.
     """
 
     state: OptimizerState
     batch: Any
-    compiling: Any = eqx.field(static=True)
 
 
 def run_burnin(
@@ -44,9 +42,11 @@ def run_burnin(
     given: Any,
     step_int: int | None,
     check_batches: bool,
+    done: int = 0,
 ) -> BurnedIn:
-    """At step 0, the burn-in's updates on the first `num_burnin_steps` batches of `batches`
-    (the step compiling meanwhile); at every step, the step's own batch drawn after them.
+    """At step 0, the burn-in's updates on the next batches of `batches` (the step compiling
+    meanwhile), those a warm start made (`done`) left out; at every step, the step's own batch
+    drawn after them.
 
     **Arguments:**
 
@@ -55,6 +55,7 @@ def run_burnin(
     - `batches`: the batches (`itertools.repeat(batch)` for `batch=`).
     - `step_int`: the step counter (read from the device by the caller when it matters).
     - `check_batches`: check each batch drawn against `init`'s batch (an iterator's).
+    - `done`: the burn-in's updates already made (by a warm start, on its own batches).
 
     **Returns:**
 
@@ -62,19 +63,19 @@ def run_burnin(
     """
     burnin = optimizer.refresh.num_burnin_steps if step_int == 0 else 0
     compiling = None
-    for i in range(burnin):
-        batch = next_batch(batches, i, burnin)
+    for i in range(done, burnin):
+        batch = next_batch(batches, i - done, burnin - done)
         if check_batches:
-            check_batch(state.batch_signature, batch, f"burn-in batch #{i}")
+            check_batch(state.batch_signature, batch, f"burn-in batch #{i - done}")
         if compiling is None and not isinstance(state.step_counter, jax.core.Tracer):
             # The step's structure is known (its batch that of every burn-in batch): compile it
-            # while the burn-in compiles and runs.
+            # while the burn-in compiles and runs (the step waits for it).
             compiling = compiling_step_meanwhile(optimizer, (params, state, rng, batch, func_state, given))
         state = jitted_burnin(optimizer, params, state, rng, batch, func_state, i)
-    batch = next_batch(batches, burnin, burnin)
+    batch = next_batch(batches, max(burnin - done, 0), max(burnin - done, 0))
     if check_batches:
         check_batch(state.batch_signature, batch, "batch from data_iterator")
-    return BurnedIn(state, batch, compiling)
+    return BurnedIn(state, batch)
 
 
 def undone_if_not_processed(

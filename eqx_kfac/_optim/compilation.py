@@ -18,11 +18,11 @@ docs/examples.md).
 
 Before a first step with a burn-in, `compiling_step_meanwhile` compiles the step in a thread of
 its own while the burn-in's update compiles and runs; a short burn-in's update compiles
-`for_compile_time` (`burnin_options`).
+`for_compile_time` (`burnin_options`). A warm start (`warm_start.py`) compiles both in threads
+(`compiling_burnin_meanwhile` too) while its first-order steps run.
 """
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._core import distributed as _distributed
 from .._core.compiled import for_compile_time, ONE_OFF_COMPILER_OPTIONS
-from .._core.flat_jit import FlatJit
+from .._core.flat_jit import Background, FlatJit
 from .._core.tree import any_traced
 from .abstract_optimizer import AbstractOptimizer
 from .arguments import tree_difference
@@ -46,6 +46,22 @@ def _jit(fn: Callable[..., Any], donate_args: frozenset[int], options: tuple[tup
     """`fn` compiled over its arguments' arrays (`FlatJit`), donating those of the arguments at
     `donate_args`, with these XLA compiler options (one program cache per combination)."""
     return FlatJit(fn, donate_args, dict(options) or None)
+
+
+def jit_program(fn: Callable[..., Any], options: tuple[tuple[str, Any], ...]) -> FlatJit:
+    """`fn` compiled over its arguments' arrays with these XLA compiler options, donating
+    nothing (one program per function and options; the warm start's step).
+
+    **Arguments:**
+
+    - `fn`: the function.
+    - `options`: the compiler options, as sorted pairs.
+
+    **Returns:**
+
+    The `FlatJit`.
+    """
+    return _jit(fn, frozenset(), options)
 
 
 # --- multi-device: the `shard_map` step, the sharded (SPMD) step and its initial state ---------
@@ -272,13 +288,14 @@ def compiled_step(
     return program(optimizer, *args, burnin_in_graph, calibrating, place=_placer(optimizer))
 
 
-def compiling_step_meanwhile(optimizer: AbstractOptimizer, args: tuple[Any, ...]) -> "_Background":
+def compiling_step_meanwhile(optimizer: AbstractOptimizer, args: tuple[Any, ...]) -> Background:
     """Starts compiling the step of `compiled_step(optimizer, args, False)` in a thread of its
-    own, for a caller with other work to do first (the burn-in). JAX keeps the compiled program,
-    so the step called later with arguments of the same structure, shapes and dtypes (their
-    values may differ) does not compile it again. XLA compiles without Python's lock, so the two
-    compilations overlap: the ViT of `benchmarks/examples.py` compiled its burn-in update in 11.2 s
-    and its step in 14.8 s, and its first step took 28.7 s instead of 32.3 s on 2 CPU cores.
+    own (`FlatJit.compile_in_background`), for a caller with other work to do first (the
+    burn-in, the warm start). The step called later with arguments of the same structure, shapes
+    and dtypes (their values may differ) waits for it instead of compiling again. XLA compiles
+    without Python's lock, so two compilations overlap: the ViT of `benchmarks/examples.py`
+    compiled its burn-in update in 11.2 s and its step in 14.8 s, and its first step took 28.7 s
+    instead of 32.3 s on 2 CPU cores.
 
     **Arguments:**
 
@@ -287,29 +304,11 @@ def compiling_step_meanwhile(optimizer: AbstractOptimizer, args: tuple[Any, ...]
 
     **Returns:**
 
-    A handle whose `wait()` returns once the compilation has ended. An error in it is left to the
-    step itself, which traces the same program and raises it.
+    The compilation's handle. An error in it is left to the step itself, which traces the same
+    program and raises it.
     """
     program = _step_program(optimizer, False)
-    lowered = functools.partial(program.lower, optimizer, *args, False, False, place=_placer(optimizer))
-    return _Background(lambda: lowered().compile())
-
-
-class _Background:
-    """A function run in a daemon thread; `wait()` joins it and drops its outcome."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        def run() -> None:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 -- the step raises it again, in the caller's thread
-                pass
-
-        self._thread = threading.Thread(target=run, name="eqx_kfac-compile", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        self._thread.join()
+    return program.compile_in_background(optimizer, *args, False, False, place=_placer(optimizer))
 
 
 def _jitted_burnin(optimizer, params, state, rng, batch, func_state, index):
@@ -339,6 +338,29 @@ def jitted_burnin(
 ) -> OptimizerState:
     """The burn-in's curvature update number `index` (`optimizer_step.burnin_update`), compiled
     once for every index with `burnin_options`, never donating."""
-    program = _jit(_jitted_burnin, frozenset(), burnin_options(optimizer))
     index = np.asarray(index, np.int32)
-    return program(optimizer, params, state, rng, batch, func_state, index, place=_placer(optimizer))
+    return _burnin_program(optimizer)(optimizer, params, state, rng, batch, func_state, index, place=_placer(optimizer))
+
+
+def _burnin_program(optimizer: AbstractOptimizer) -> FlatJit:
+    return _jit(_jitted_burnin, frozenset(), burnin_options(optimizer))
+
+
+def compiling_burnin_meanwhile(
+    optimizer: AbstractOptimizer, params: Any, state: OptimizerState, rng: Any, batch: Any, func_state: Any
+) -> Background:
+    """Starts compiling the burn-in's update of `jitted_burnin` in a thread of its own (as
+    `compiling_step_meanwhile` does the step's).
+
+    **Arguments:**
+
+    - `optimizer`, `params`, `state`, `rng`, `batch`, `func_state`: as for `jitted_burnin`.
+
+    **Returns:**
+
+    The compilation's handle.
+    """
+    index = np.asarray(0, np.int32)
+    return _burnin_program(optimizer).compile_in_background(
+        optimizer, params, state, rng, batch, func_state, index, place=_placer(optimizer)
+    )

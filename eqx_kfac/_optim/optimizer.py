@@ -55,6 +55,8 @@ from .refresh import AbstractRefreshSchedule, RefreshSchedule
 from .step_context import GivenValues
 from .step_rule import AbstractStepRule, MomentumStep
 from .value_function import recover_value_func, ValueFunction
+from .warm_start import WarmStart
+from .warm_start_step import warm_counts, warm_step
 
 # The recommended parts (`Optimizer`'s defaults; docs/optimizer.md, "The recommended configuration").
 DEFAULT_STEP_RULE = MomentumStep(
@@ -288,21 +290,28 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         if step_int is None and not in_graph and self._needs_step_int():
             step_int = int(state.step_counter)
         if in_graph:  # inside a user's jit with `batch=`: the program runs the burn-in
-            burned = BurnedIn(state, batch, None)
+            burned = BurnedIn(state, batch)
         else:
             batches = itertools.repeat(batch) if data_iterator is None else data_iterator
+            done = 0
+            if self.warm_start is not None and step_int == 0:
+                warm, batches = warm_step(
+                    self, params, state, rng, batches, func_state, given, counts := warm_counts(state),
+                    data_iterator is not None,
+                )
+                if warm is not None:
+                    return warm
+                done = counts[1]
             burned = run_burnin(
-                self, params, state, rng, batches, func_state, given, step_int, data_iterator is not None
+                self, params, state, rng, batches, func_state, given, step_int, data_iterator is not None, done
             )
         args = calibrated(self, (params, burned.state, rng, burned.batch, func_state, given), in_graph, step_int)
-        if burned.compiling is not None:
-            burned.compiling.wait()
         out = compiled_step(self, args, in_graph)
         return self._checked_faults(undone_if_not_processed(state, burned.state, out, step_int))
 
     @pytree_method
     def _needs_step_int(self) -> bool:
-        return self.refresh.num_burnin_steps > 0 or self.damping_rule.calibrates()
+        return self.refresh.num_burnin_steps > 0 or self.damping_rule.calibrates() or self.warm_start is not None
 
     @pytree_method
     def _checked_arguments(
@@ -389,6 +398,7 @@ class Optimizer(AbstractKFACOptimizer):
     guard: StepGuard
     devices: MultiDevice | None
     options: StepOptions
+    warm_start: WarmStart | None
 
     def __init__(
         self,
@@ -407,6 +417,7 @@ class Optimizer(AbstractKFACOptimizer):
         guard: StepGuard | None = None,
         devices: MultiDevice | None = None,
         options: StepOptions | None = None,
+        warm_start: WarmStart | None = None,
     ):
         """**Arguments:**
 
@@ -432,6 +443,9 @@ class Optimizer(AbstractKFACOptimizer):
           raise the loss when the damping rule is Levenberg-Marquardt).
         - `devices`: a `MultiDevice` to run the step on several devices (default: one device).
         - `options`: `StepOptions` (buffer donation, XLA compiler options, norms in `stats`).
+        - `warm_start`: a `WarmStart`: a directly called `step` takes that many steps of an optax
+          transformation while the K-FAC programs compile in the background (default `None`:
+          K-FAC from the first step). One device only; nothing changes inside your own `jit`.
         """
         damping_rule = DEFAULT_DAMPING if damping_rule is None else damping_rule
         curvature = CurvatureOptions() if curvature is None else curvature
@@ -449,3 +463,9 @@ class Optimizer(AbstractKFACOptimizer):
         self.guard = _default_guard(damping_rule) if guard is None else guard
         self.devices = devices
         self.options = StepOptions() if options is None else options
+        if warm_start is not None and devices is not None:
+            raise ValueError(
+                "Optimizer(warm_start=..., devices=...): the warm start runs on one device only. "
+                "Drop warm_start (the first step then compiles before it runs), or devices."
+            )
+        self.warm_start = warm_start

@@ -70,7 +70,8 @@ class OptimizerState(eqx.Module):
     - `guard_state`: the step guard's `GuardState` (faults in a row).
     - `estimator_state`: the curvature estimator's state (moving averages and cached inverses).
     - `examples_seen`: the number of examples processed (`ExampleCount`; `data_seen` reads it).
-    - `step_counter`: the number of steps taken.
+    - `step_counter`: the number of K-FAC steps taken (a warm start's steps are not counted).
+    - `warm_start_state`: the `WarmStart`'s `WarmStartState`, or `None` without one.
     - `batch_signature`, `params_signature`: (static) the structure, shapes and dtypes of the
       batch and parameters given to `init`; `step` rejects others.
     """
@@ -82,6 +83,7 @@ class OptimizerState(eqx.Module):
     estimator_state: EstimatorState
     examples_seen: ExampleCount
     step_counter: Int[Array, ""]
+    warm_start_state: PyTree[Array] | None
     batch_signature: Any = eqx.field(static=True)
     params_signature: Any = eqx.field(static=True)
 
@@ -128,6 +130,7 @@ def new_state(
         estimator_state=optimizer.preconditioner.init(estimator, rng),
         examples_seen=ExampleCount.zero(),
         step_counter=jnp.zeros((), jnp.int32),
+        warm_start_state=None if optimizer.warm_start is None else optimizer.warm_start.init(filtered),
         batch_signature=batch_signature,
         params_signature=params_signature,
     )

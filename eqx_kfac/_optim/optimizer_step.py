@@ -134,7 +134,8 @@ def _next_state(
         step_rule_state=select_changed(decision.applied, step_rule_state, state.step_rule_state),
         damping_state=damping_state, guard_state=state.guard_state,
         estimator_state=estimator_state, examples_seen=state.examples_seen.add(batch_size),
-        step_counter=state.step_counter + 1, batch_signature=state.batch_signature,
+        step_counter=state.step_counter + 1, warm_start_state=state.warm_start_state,
+        batch_signature=state.batch_signature,
         params_signature=state.params_signature,
     )
     kept = eqx.tree_at(lambda s: s.estimator_state, state, estimator_state)

@@ -58,6 +58,7 @@ class Optimizer(AbstractKFACOptimizer):
     guard: StepGuard
     devices: MultiDevice | None
     options: StepOptions
+    warm_start: None = None  # (kfac-jax has none; `eqx_kfac.Optimizer(warm_start=...)`)
 
     def __init__(
         self, value_and_grad_func: Callable[..., Any], l2_reg: Numeric,
