@@ -16,7 +16,10 @@ import numpy as np
 
 from eqx_kfac._optim.optimizer import DEFAULT_DAMPING
 
+import eqx_kfac
+
 from ..harness import Method, Outcome, Run, best, report, run_round
+from ..harness.methods import OPTAX
 from ..harness.record import WINDOW
 from .examples import EXAMPLES, Example
 
@@ -29,7 +32,7 @@ LADDER_STEP = 3.0
 LADDER = (1 / LADDER_STEP, 1.0, LADDER_STEP)
 # How many rungs the ladder may grow past an end that holds its best run.
 MAX_EXTRA_RUNGS = 2
-KFAC_FORMS = {"kfac": "Optimizer", "recipe": "kfac_optax"}
+KFAC_FORMS = {"kfac": "Optimizer", "warm": "Optimizer+WarmStart", "recipe": "kfac_optax"}
 # The recommended damping rule's floor.
 DAMPING_FLOOR = float(DEFAULT_DAMPING.minimum)
 MISSING_JRAPH = ("ogbg skipped: jraph is not installed (pip install -e \".[flax-examples]\", or "
@@ -61,15 +64,28 @@ def extended(problem: Any, baseline: Method, grid: list[Run], steps: int) -> lis
     return grid
 
 
-def run_example(name: str, steps: int, quick: bool) -> tuple[Outcome, Example]:
+def warm_method(baseline: Method, warm_steps: int, when_ready: bool) -> Method:
+    """`Optimizer` with a `WarmStart` of `warm_steps` steps of the example's own optimizer (at its
+    config's learning rate), switching as soon as K-FAC's step is compiled with `when_ready`."""
+    transformation = OPTAX[baseline.name](baseline.learning_rate, **baseline.options)
+    warm_start = eqx_kfac.WarmStart(warm_steps, transformation, switch_when_ready=when_ready)
+    return Method("warm", options={"warm_start": warm_start})
+
+
+def run_example(
+    name: str, steps: int, quick: bool, warm_steps: int = 0, when_ready: bool = False
+) -> tuple[Outcome, Example]:
     """Trains one example: both K-FAC forms and the baseline's ladder, alternated step by step,
-    then the ladder extended while its best rate is at an end (`extended`; not `quick`).
+    then the ladder extended while its best rate is at an end (`extended`; not `quick`), then
+    with `warm_steps`, `Optimizer` with a warm start in a round of its own (`warm_method`; its
+    compilation threads would slow the steps of the runs it alternated with).
 
     **Arguments:**
 
     - `name`: a key of `EXAMPLES`.
     - `steps`: the step budget of every run.
     - `quick`: the tiny sizes, and the config's learning rate only.
+    - `warm_steps`, `when_ready`: the warm start's (none for `0`).
 
     **Returns:**
 
@@ -81,8 +97,10 @@ def run_example(name: str, steps: int, quick: bool) -> tuple[Outcome, Example]:
     if not quick:
         grid = extended(example.problem, example.baseline, grid, steps)
     base = example.baseline.name
-    grids = {"kfac": [kfac], "recipe": [recipe], base: grid}
-    return Outcome(name, steps, grids, {"kfac": [kfac], "recipe": [recipe], base: [best(grid)]}), example
+    forms = {"kfac": [kfac], "recipe": [recipe]}
+    if warm_steps:
+        forms["warm"] = run_round(example.problem, [warm_method(example.baseline, warm_steps, when_ready)], steps)
+    return Outcome(name, steps, {**forms, base: grid}, {**forms, base: [best(grid)]}), example
 
 
 def _cell(values: Sequence[float | None], spec: str) -> str:
@@ -94,19 +112,20 @@ def table(outcomes: Sequence[Outcome], examples: dict[str, Example]) -> str:
     """The markdown table of the issue: for each example, the steps and seconds (from the first
     call; compiled) of `Optimizer` / `kfac_optax` / the baseline to the baseline's final loss, and
     the step and first-call ratios of the K-FAC forms to the baseline."""
+    names = " / ".join(KFAC_FORMS[m] for m in _forms(outcomes))
     lines = [
-        "| example | baseline (lr) | steps to target: Optimizer / kfac_optax / baseline "
-        "| s from the first call | s compiled | step x baseline (Optimizer / kfac_optax) | first call x baseline |",
+        f"| example | baseline (lr) | steps to target: {names} / baseline "
+        f"| s from the first call | s compiled | step x baseline ({names}) | first call x baseline |",
         "|---|---|---|---|---|---|---|",
     ]
     for outcome in outcomes:
         base_name = examples[outcome.problem].baseline.name
         base = outcome.seeds[base_name][0]
-        order = ("kfac", "recipe", base_name)
+        order = (*_forms([outcome]), base_name)
         reach = {m: outcome.reaches(m)[0] for m in order}
         get = lambda field: [None if reach[m] is None else getattr(reach[m], field) for m in order]  # noqa: E731
-        step = [outcome.seeds[m][0].ms_per_step / base.ms_per_step for m in order[:2]]
-        first = [outcome.seeds[m][0].first_call.total / base.first_call.total for m in order[:2]]
+        step = [outcome.seeds[m][0].ms_per_step / base.ms_per_step for m in order[:-1]]
+        first = [outcome.seeds[m][0].first_call.total / base.first_call.total for m in order[:-1]]
         lines.append(
             f"| {outcome.problem} | {base.label} | {_cell(get('steps'), '.0f')} | {_cell(get('wall'), '.1f')} "
             f"| {_cell(get('compiled'), '.2f')} | {_cell(step, '.1f')} | {_cell(first, '.1f')} |"
@@ -114,18 +133,24 @@ def table(outcomes: Sequence[Outcome], examples: dict[str, Example]) -> str:
     return "\n".join(lines)
 
 
+def _forms(outcomes: Sequence[Outcome]) -> list[str]:
+    """The K-FAC forms the outcomes trained, in `KFAC_FORMS`' order."""
+    return [m for m in KFAC_FORMS if all(m in outcome.seeds for outcome in outcomes)]
+
+
 def medians(outcomes: Sequence[Outcome], examples: dict[str, Example]) -> str:
     """A line: the median step ratio of each K-FAC form over the examples, and who is first."""
-    ratios = {m: [] for m in KFAC_FORMS}
+    forms = _forms(outcomes)
+    ratios = {m: [] for m in forms}
     first = {"wall": 0, "compiled": 0}
     for outcome in outcomes:
         base = examples[outcome.problem].baseline.name
-        for m in KFAC_FORMS:
+        for m in forms:
             ratios[m].append(outcome.seeds[m][0].ms_per_step / outcome.seeds[base][0].ms_per_step)
         for field in first:
             seconds = {m: np.inf if r is None else getattr(r, field)
-                       for m in (*KFAC_FORMS, base) for r in outcome.reaches(m)[:1]}
-            first[field] += min(seconds["kfac"], seconds["recipe"]) < seconds[base]
+                       for m in (*forms, base) for r in outcome.reaches(m)[:1]}
+            first[field] += min(seconds[m] for m in forms) < seconds[base]
     steps = ", ".join(f"{KFAC_FORMS[m]} {np.median(r):.1f}x" for m, r in ratios.items())
     return (f"Median step ratio over {len(outcomes)}: {steps}. K-FAC's better form first to the target from "
             f"the first call on {first['wall']} of {len(outcomes)}, counting compiled steps on {first['compiled']}.")
@@ -183,6 +208,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--examples", nargs="+", choices=list(EXAMPLES), default=list(EXAMPLES))
     parser.add_argument("--quick", action="store_true", help="tiny sizes and a few steps (a smoke run)")
     parser.add_argument("--steps", type=int, help="the step budget of every example (default: STEPS)")
+    parser.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                        help="also train Optimizer with a WarmStart of this many steps of the example's "
+                             "optimizer (in a round of its own)")
+    parser.add_argument("--when-ready", action="store_true",
+                        help="the warm start switches as soon as K-FAC's step is compiled")
     parser.add_argument("--plots", help="write flax_<example>.png (loss vs steps and vs seconds) to this folder")
     parser.add_argument("--save", default=os.path.join(HERE, "results", "flax_examples.json"),
                         help="the JSON record (the table, each run's losses and times)")
@@ -214,7 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes.append(MISSING_JRAPH)
             print(MISSING_JRAPH, flush=True)
             continue
-        outcome, examples[name] = run_example(name, args.steps or STEPS[name][bool(args.quick)], args.quick)
+        outcome, examples[name] = run_example(
+            name, args.steps or STEPS[name][bool(args.quick)], args.quick, args.warm_start, args.when_ready
+        )
         outcomes.append(outcome)
         print(table([outcome], examples).splitlines()[-1], flush=True)
         # Written after every example: a run stopped early keeps the examples it finished.

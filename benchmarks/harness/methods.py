@@ -6,6 +6,9 @@ batch's `loss` (and K-FAC's step statistics):
 
 - `"kfac"`: `eqx_kfac.Optimizer` in its recommended configuration (`make_optimizer`: its default
   parts, with the learning rate, momentum and damping adapted); no learning rate.
+- `"warm"`: `"kfac"` with `options={"warm_start": eqx_kfac.WarmStart(...)}`: first-order steps
+  while its K-FAC programs compile in threads. Train it in a round of its own: those threads
+  would slow the steps of the runs it alternates with.
 - `"recipe"`: `eqx_kfac.kfac_optax(loss, example_args, learning_rate)` (K-FAC preconditioning, a
   norm constraint, momentum); `learning_rate=None` takes its default.
 - an optax transform of `OPTAX` (`adam`, `adamw`, `adabelief`, `sgd`, `muon`, `sophia`, `psgd`),
@@ -33,10 +36,10 @@ from .flax_configs import adamw_rsqrt, sgd_decayed, sgd_nesterov_cosine
 from .problem import Problem
 
 # K-FAC's two forms.
-KFAC_METHODS = ("kfac", "recipe")
+KFAC_METHODS = ("kfac", "warm", "recipe")
 # The methods whose step compiles itself (`Optimizer.step`, which its docs say to call directly):
 # the loop calls it as it is, where it jits the others' steps.
-SELF_COMPILING = ("kfac",)
+SELF_COMPILING = ("kfac", "warm")
 # The XLA compiler options of the jit around each other method's step, as each library's docs
 # advise: `kfac_optax`'s jit takes `eqx_kfac.COMPILER_OPTIONS` (Triton's GEMM autotuning off on a
 # GPU, ignored elsewhere), the optax baselines XLA's defaults.
@@ -164,7 +167,8 @@ def _kfac(problem: Problem, batch: Any, options: Mapping[str, Any]) -> tuple[Cal
             model, kfac_state, func_state, stats = out
         else:
             model, kfac_state, stats = out
-        return model, (kfac_state, func_state), {k: stats[k] for k in ("loss", *KFAC_STATS)}
+        # (A warm start's steps have no K-FAC statistics: NaN.)
+        return model, (kfac_state, func_state), {k: stats.get(k, float("nan")) for k in ("loss", *KFAC_STATS)}
 
     init = optimizer.init(problem.model, jax.random.key(0), batch, func_state=problem.func_state)
     return step, (init, problem.func_state)
@@ -209,7 +213,7 @@ def make_step(problem: Problem, method: Method, batch: Any) -> tuple[Callable, A
     `step(model, state, key, batch) -> (model, state, record)` (not jitted, but for the methods of
     `SELF_COMPILING`, whose step compiles itself) and the initial state.
     """
-    if method.name == "kfac":
+    if method.name in ("kfac", "warm"):
         return _kfac(problem, batch, method.options)
     if method.name == "recipe":
         example = problem.args(problem.model, problem.func_state, jax.random.key(0), batch)
