@@ -100,15 +100,14 @@ def warm_step(
         if warm.switch_when_ready and compiling.done():
             return None, itertools.chain([batch], batches)
     burnin = optimizer.refresh.num_burnin_steps
-    burn_in = False
-    if 0 < taken and burned < burnin:
-        burn_in = (
-            compiling_burnin_meanwhile(optimizer, *args).done() if warm.switch_when_ready
-            else taken >= warm.steps - burnin
-        )
-    if burn_in or (taken == 0 and warm.steps <= burnin):
+    # The burn-in's updates: on the last `burnin` warm batches (on the first call too, compiling
+    # there, when there are no more warm steps than that), or as soon as their program is ready.
+    burn_in = burned < burnin and (
+        taken > 0 and compiling_burnin_meanwhile(optimizer, *args).done() if warm.switch_when_ready
+        else taken >= warm.steps - burnin
+    )
+    if burn_in:
         state = jitted_burnin(optimizer, params, state, rng, batch, func_state, burned)
-        burn_in = True
     program = jit_program(_warm_step_body, optimizer.compiler_options)
     out = program(optimizer, params, state, rng, batch, func_state, np.int32(burn_in))
     if taken == 0:
