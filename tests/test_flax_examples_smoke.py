@@ -1,5 +1,6 @@
-"""Smoke test of `benchmarks/flax_examples.py` (`--quick`): one example (the suite's time) trains with both K-FAC forms
-and their config's optimizer, and the record holds what the docs page's table is made of."""
+"""Smoke test of `benchmarks/flax_examples.py` (`--quick`): one example (the suite's time) trains with both K-FAC forms,
+`Optimizer` with a warm start (`--warm-start`) and their config's optimizer, and the record holds what the docs page's
+table is made of."""
 
 import json
 
@@ -12,12 +13,14 @@ pytest.importorskip("sklearn")
 from benchmarks.flax_suite import run  # noqa: E402
 
 STEPS = 3
+WARM = 2
 
 
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     path = tmp_path_factory.mktemp("flax_examples") / "quick.json"
-    assert run.main(["--quick", "--examples", "mnist", "--steps", str(STEPS), "--save", str(path)]) == 0
+    argv = ["--quick", "--examples", "mnist", "--steps", str(STEPS), "--warm-start", str(WARM), "--save", str(path)]
+    assert run.main(argv) == 0
     return json.loads(path.read_text())
 
 
@@ -25,18 +28,21 @@ def record(tmp_path_factory):
 def test_every_method_trains_from_the_same_start(record, name):
     example = record["examples"][name]
     methods = example["methods"]
-    assert set(methods) == {"Optimizer", "kfac_optax", example["baseline"]}
+    assert set(methods) == {"Optimizer", "Optimizer+WarmStart", "kfac_optax", example["baseline"]}
     for method in methods.values():
         assert len(method["losses"]) == STEPS and np.all(np.isfinite(method["losses"]))
         assert method["ms_per_step"] > 0 and method["first_call_s"] > 0
     # Step 0's loss is the initial parameters' loss on the first batch (and, for the VAE, the
     # step's key; `Optimizer` draws its loss's key from it, the optax steps pass it on).
-    same = ["kfac_optax", example["baseline"]] + (["Optimizer"] if name == "mnist" else [])
+    same = ["kfac_optax", example["baseline"]] + (["Optimizer", "Optimizer+WarmStart"] if name == "mnist" else [])
     firsts = [methods[m]["losses"][0] for m in same]
     np.testing.assert_allclose(firsts, firsts[0], rtol=1e-3)
     # The target is the baseline's final loss: its mean over the last (here: all) steps.
     np.testing.assert_allclose(example["target"], np.mean(methods[example["baseline"]]["losses"]), rtol=1e-3)
     assert len(methods["Optimizer"]["damping"]) == len(methods["Optimizer"]["learning_rate"]) == STEPS
+    # The warm start's steps have no K-FAC statistics; K-FAC's step follows them.
+    rates = methods["Optimizer+WarmStart"]["learning_rate"]
+    assert rates[:WARM] == [None] * WARM and rates[WARM] is not None
 
 
 def test_table_has_a_row_per_example(record):
