@@ -62,8 +62,9 @@ class GuardedTransform(eqx.Module):
 
     - `inner`: the guarded transformation (with extra-arguments support).
     - `guard`: the `StepGuard`.
-    - `loss`: `loss(params, extra_args)`, the loss on the step's batch at `params` (`None`: only
-      the `value=` passed to `update`, and no step rejection).
+    - `loss`: `loss(params, extra_args)`, the loss on the step's batch at `params`, for step
+      rejection (`None`: no step rejection). Without rejection the guard checks the `value=`
+      passed to `update` only.
     - `kept_unless_applied`: where the inner state keeps what only an applied step may change
       (the momentum, a direction's state such as `EigenbasisAdam`'s moments), as a node or a
       tuple of nodes for `eqx.tree_at`; or `None`.
@@ -102,7 +103,11 @@ class GuardedTransform(eqx.Module):
     ) -> tuple[PyTree, SkipNonFiniteState]:
         check_restored(state, SkipNonFiniteState, "eqx_kfac (kfac_optax / skip_non_finite)")
         value = extra_args.get("value")
-        if value is None and self.loss is not None:
+        # Without `value=`, the loss is evaluated only where step rejection compares it: XLA does
+        # not always merge that forward pass with the caller's (Flax's lm1b step took 15% longer
+        # with it; tests/test_optax_guard_cost.py), and a loss that is not finite makes the
+        # gradient so, which the guard checks.
+        if value is None and self.loss is not None and self.guard.reject_loss_increase:
             value = self.loss(params, extra_args)
             extra_args = {**extra_args, "value": value}
         new_updates, new_inner = self.inner.update(updates, state.inner_state, params, **extra_args)
