@@ -241,8 +241,8 @@ def kfac_preconditioner(
     large that a second moment overflows) or grow beyond `max_statistics_growth` (an outlier
     batch, e.g. inputs 1e10 times their usual size) is not folded in either. The preconditioned gradient
     itself is returned as it is: wrap the chain in `eqx_kfac.skip_non_finite` (or use
-    `kfac_optax`, which also skips a step whose loss is not finite and can reject one that raises
-    it) to leave parameters and state unchanged on such a step. A `loss_fn` that does not return a
+    `kfac_optax`, which also skips a step whose loss passed as `value=` is not finite, and can reject
+    one that raises it) to leave parameters and state unchanged on such a step. A `loss_fn` that does not return a
     scalar (per-example losses) raises `ValueError` here.
 
     The registration table (which block each parameter gets) is logged at INFO level on the
