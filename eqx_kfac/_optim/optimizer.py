@@ -279,7 +279,9 @@ class AbstractKFACOptimizer(AbstractOptimizer):
         `invalid_targets` (a class
         label outside `[0, classes)` on an unmasked example: the step is skipped),
         `curvature_update_dropped` (the batch's statistics were not finite), `aux` when the
-        function has auxiliary outputs, and norms when requested.
+        function has auxiliary outputs, and norms when requested. A `WarmStart`'s steps give
+        `loss`, `step` (K-FAC's counter, still 0), `warm_start_step`, `batch_size`,
+        `data_seen`, `skipped` and `aux`.
         """
         given = self._checked_arguments(
             params, state, rng, data_iterator, batch, func_state, (learning_rate, momentum, damping),
