@@ -216,3 +216,16 @@ def test_zero_steps_is_no_warm_start():
     for a, b in zip(_arrays(outs[0][0]), _arrays(outs[1][0])):
         np.testing.assert_allclose(a, b, rtol=1e-12)
     assert set(outs[0][2]) == set(outs[1][2])
+
+
+def test_switch_when_ready_still_switches_after_steps_calls():
+    # The cap: a compilation not yet ended is waited for at the call after `steps` warm steps.
+    optimizer = _optimizer(eqx_kfac.WarmStart(2, switch_when_ready=True), loss=lambda m, b: _loss(m, b))
+    batches = _batches(3)
+    params, state = PARAMS, optimizer.init(PARAMS, jax.random.key(1), batches[0])
+    counters = []
+    for i in range(3):
+        params, state, stats = optimizer.step(params, state, KEYS[i], batch=batches[i], **GIVEN)
+        counters.append((int(state.warm_start_state.steps_taken), int(state.step_counter)))
+    assert counters[-1][1] == 1 and counters[-1][0] <= 2
+    assert counters[0] == (1, 0)  # the first call is a warm step: nothing has compiled yet
