@@ -110,8 +110,8 @@ def _cell(values: Sequence[float | None], spec: str) -> str:
 
 def table(outcomes: Sequence[Outcome], examples: dict[str, Example]) -> str:
     """The markdown table of the issue: for each example, the steps and seconds (from the first
-    call; compiled) of `Optimizer` / `kfac_optax` / the baseline to the baseline's final loss, and
-    the step and first-call ratios of the K-FAC forms to the baseline."""
+    call; compiled) of each K-FAC form trained (`KFAC_FORMS`) and the baseline to the baseline's
+    final loss, and the step and first-call ratios of the K-FAC forms to the baseline."""
     names = " / ".join(KFAC_FORMS[m] for m in _forms(outcomes))
     lines = [
         f"| example | baseline (lr) | steps to target: {names} / baseline "

@@ -35,7 +35,7 @@ import eqx_kfac
 from .flax_configs import adamw_rsqrt, sgd_decayed, sgd_nesterov_cosine
 from .problem import Problem
 
-# K-FAC's two forms.
+# K-FAC's forms (`Optimizer`, with a warm start, `kfac_optax`).
 KFAC_METHODS = ("kfac", "warm", "recipe")
 # The methods whose step compiles itself (`Optimizer.step`, which its docs say to call directly):
 # the loop calls it as it is, where it jits the others' steps.

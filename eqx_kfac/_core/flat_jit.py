@@ -183,8 +183,8 @@ class FlatJit:
 
         **Returns:**
 
-        The compilation's `Background` handle (the same one while it is pending; a finished one
-        once the program has been called).
+        The compilation's `Background` handle: the same one until the program is called (after
+        that, a new thread, which finds the program in JAX's caches).
         """
         program, arrays = self._prepared(args, place)
         if program.background is None:

@@ -297,9 +297,9 @@ class AbstractKFACOptimizer(AbstractOptimizer):
             batches = itertools.repeat(batch) if data_iterator is None else data_iterator
             done = 0
             if self.warm_start is not None and step_int == 0:
+                counts = warm_counts(state)
                 warm, batches = warm_step(
-                    self, params, state, rng, batches, func_state, given, counts := warm_counts(state),
-                    data_iterator is not None,
+                    self, params, state, rng, batches, func_state, given, counts, data_iterator is not None
                 )
                 if warm is not None:
                     return warm

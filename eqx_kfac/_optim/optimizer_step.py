@@ -116,7 +116,7 @@ def _refreshed_curvature(
     )
 
 
-def _apply(params: PyTree, delta: PyTree) -> PyTree:
+def applied(params: PyTree, delta: PyTree) -> PyTree:
     """`params + delta`, each parameter keeping its dtype (bf16 parameters, float32 updates)."""
     delta = jax.tree.map(lambda d, p: d.astype(p.dtype), delta, eqx.filter(params, eqx.is_inexact_array))
     return eqx.apply_updates(params, delta)
@@ -184,7 +184,7 @@ def step_body(
     )
     with jax.named_scope("eqx_kfac.step_rule"):
         proposal = optimizer.step_rule(direction.direction, state.step_rule_state, damping, context)
-    candidate = _apply(params, proposal.delta)
+    candidate = applied(params, proposal.delta)
     with jax.named_scope("eqx_kfac.guard"):
         new_loss = context.loss_at(candidate) if guard.reject_loss_increase else None
         decision = guard.decide(context.loss, context.grads, proposal.delta, new_loss, params, valid)

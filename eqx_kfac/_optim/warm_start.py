@@ -61,7 +61,7 @@ class WarmStart(eqx.Module):
             raise TypeError(f"WarmStart(steps=...) must be an int, got {self.steps!r}.")
         if self.steps < 0:
             raise ValueError(f"WarmStart(steps=...) must be non-negative, got {self.steps}.")
-        if not (callable(getattr(self.transformation, "init", None)) and callable(getattr(self.transformation, "update", None))):
+        if not all(callable(getattr(self.transformation, name, None)) for name in ("init", "update")):
             raise TypeError(
                 "WarmStart(transformation=...) must be an optax GradientTransformation (with "
                 f"`init` and `update`), e.g. optax.adam(1e-3); got {type(self.transformation).__name__}."

@@ -15,6 +15,7 @@ from .abstract_optimizer import AbstractOptimizer
 from .arguments import check_batch, next_batch
 from .compilation import compiling_burnin_meanwhile, compiling_step_meanwhile, jit_program, jitted_burnin
 from .optimizer_state import OptimizerState
+from .optimizer_step import applied
 from .warm_start import WarmStartState
 
 
@@ -30,12 +31,13 @@ def _warm_step_body(
     loss, new_func_state, aux = function.split(out)
     grads = eqx.filter(grads, eqx.is_inexact_array)
     filtered = eqx.filter(params, eqx.is_inexact_array)
-    updates, transformation_state = optimizer.warm_start.transformation.update(grads, warm.transformation_state, filtered)
-    finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(updates)
-    if not optimizer.guard.skip_non_finite:
+    transformation = optimizer.warm_start.transformation
+    updates, transformation_state = transformation.update(grads, warm.transformation_state, filtered)
+    if optimizer.guard.skip_non_finite:
+        finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(updates)
+    else:
         finite = jnp.ones((), bool)
-    updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, filtered)
-    new_params = select_changed(finite, eqx.apply_updates(params, updates), params)
+    new_params = select_changed(finite, applied(params, updates), params)
     batch_size = optimizer.estimators(func_args)[1].batch_size(func_args)
     new_warm = WarmStartState(
         select_changed(finite, transformation_state, warm.transformation_state), warm.steps_taken + 1,
@@ -102,10 +104,12 @@ def warm_step(
     burnin = optimizer.refresh.num_burnin_steps
     # The burn-in's updates: on the last `burnin` warm batches (on the first call too, compiling
     # there, when there are no more warm steps than that), or as soon as their program is ready.
-    burn_in = burned < burnin and (
-        taken > 0 and compiling_burnin_meanwhile(optimizer, *args).done() if warm.switch_when_ready
-        else taken >= warm.steps - burnin
-    )
+    if burned >= burnin:
+        burn_in = False
+    elif warm.switch_when_ready:
+        burn_in = taken > 0 and compiling_burnin_meanwhile(optimizer, *args).done()
+    else:
+        burn_in = taken >= warm.steps - burnin
     if burn_in:
         state = jitted_burnin(optimizer, params, state, rng, batch, func_state, burned)
     program = jit_program(_warm_step_body, optimizer.compiler_options)
