@@ -47,7 +47,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 
 import eqx_kfac
 from benchmarks import model_zoo
@@ -59,6 +58,7 @@ from benchmarks.harness import (
     Problem,
     Run,
     best,
+    ladder,
     psgd_error,
     report,
     run_round,
@@ -143,46 +143,16 @@ def optimizer_options(kfac_options: dict) -> dict:
     return options
 
 
-def _neighbour(learning_rate: float, up: bool) -> float:
-    """The next rate on the ladder ..., 1e-3, 3e-3, 1e-2, ... above or below `learning_rate`."""
-    mantissa = learning_rate / 10 ** np.floor(np.log10(learning_rate) + 1e-9)
-    factor = (3.0 if mantissa < 2 else 10 / 3) if up else (1 / 3 if mantissa > 2 else 0.3)
-    return float(f"{learning_rate * factor:.0e}")
-
-
 def initial_grid(method: str, max_grid: int) -> list[float | None]:
-    """The first rates of a method: its reference and, if `max_grid >= 3`, its two neighbours."""
-    if method == "kfac":
-        return [None]
-    reference = REFERENCE_LR[method]
-    if max_grid == 1:
-        return [reference]
-    return [_neighbour(reference, up=False), reference, _neighbour(reference, up=True)]
+    """The first rates of a method (`ladder.initial_grid` from its reference rate)."""
+    return ladder.initial_grid(REFERENCE_LR.get(method), max_grid)
 
 
 def extension(runs: Sequence[Run], max_grid: int) -> float | None:
-    """The next rate to try for one method, or `None` when its best rate is inside the grid.
-
-    **Arguments:**
-
-    - `runs`: the method's runs so far.
-    - `max_grid`: the most rates to try.
-
-    **Returns:**
-
-    The rate beyond the end of the grid where the lowest final loss is (below the lowest rate if
-    every run diverged), or `None` if that loss is inside the grid, the method has no rate, or
-    the grid is full.
-    """
-    rates = sorted(r.learning_rate for r in runs if r.learning_rate is not None)
-    if not rates or len(rates) >= max_grid:
-        return None
-    winner = best(runs)
-    if not np.isfinite(winner.final_loss(WINDOW)) or winner.learning_rate == rates[0]:
-        return _neighbour(rates[0], up=False)
-    if winner.learning_rate == rates[-1]:
-        return _neighbour(rates[-1], up=True)
-    return None
+    """The next rate to try for one method (`ladder.extension`, scored by the final loss), or
+    `None` when its best rate is inside the grid, the method has no rate, or the grid is full."""
+    scores = {r.learning_rate: r.final_loss(WINDOW) for r in runs if r.learning_rate is not None}
+    return ladder.extension(scores, max_grid)
 
 
 def tune(

@@ -21,6 +21,7 @@ from benchmarks.harness import (
     Problem,
     Run,
     digits,
+    ladder,
     make_step,
     psgd_error,
     report,
@@ -107,8 +108,8 @@ def test_learning_rate_ladder_and_bracketing_rule():
     assert alternatives.initial_grid("adam", 5) == [3e-4, 1e-3, 3e-3]
     assert alternatives.initial_grid("muon", 1) == [alternatives.REFERENCE_LR["muon"]]
     assert alternatives.initial_grid("kfac", 5) == [None]
-    assert alternatives._neighbour(3e-3, up=True) == 1e-2
-    assert alternatives._neighbour(1e-2, up=False) == 3e-3
+    assert ladder.neighbour(3e-3, up=True) == 1e-2
+    assert ladder.neighbour(1e-2, up=False) == 3e-3
 
     def grid(final_by_rate):
         return [_run([5.0] * 10 + [loss] * 10, rate) for rate, loss in final_by_rate.items()]

@@ -8,13 +8,12 @@
   things (`KINDS`), a binary property of the text standing in for SST-2's sentiment.
 """
 
-import functools
 import re
 from collections import Counter
 
 import numpy as np
 
-from ..harness import digits, upsampled_digits
+from ..harness import digits, topics_text, upsampled_digits
 
 # A sentence of `snippets` is labelled 1 when it has one of these words (40% of them do).
 KINDS = frozenset({"object", "objects", "class", "classes", "function", "functions", "method", "methods",
@@ -50,14 +49,6 @@ class Additions:
             "query": np.stack([self.one_hot(f"{a}+{b}", 2 * self.max_digits + 2) for a, b in pairs]),
             "answer": np.stack([self.one_hot(f"={a + b}", self.max_digits + 3) for a, b in pairs]),
         }
-
-
-@functools.cache
-def topics_text() -> str:
-    """The text of `pydoc_data.topics`, topics in name order."""
-    from pydoc_data.topics import topics
-
-    return "\n".join(topics[name] for name in sorted(topics))
 
 
 def character_windows(count: int, length: int, seed: int = 0) -> tuple[np.ndarray, int]:

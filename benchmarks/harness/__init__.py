@@ -16,11 +16,12 @@ print(report.table([outcome]))
 ```
 """
 
-from . import report as report
+from . import ladder as ladder, report as report
 from .data import (
     digit_batches as digit_batches,
     digits as digits,
     minibatches as minibatches,
+    topics_text as topics_text,
     upsampled_digits as upsampled_digits,
 )
 from .loop import first_call as first_call, run_round as run_round, train as train

@@ -122,13 +122,14 @@ def _finish(problem: Problem, run: _Training, seed: int, keep_final: bool) -> Ru
 def run_round(
     problem: Problem,
     methods: Sequence[Method],
-    steps: int,
+    steps: int | Sequence[int],
     seed: int = 0,
     *,
     perturb: Callable[[int, Any], Any] | None = None,
     stop_at_nonfinite: bool = True,
     stop_below: float | None = None,
     keep_final: bool = False,
+    observe: Callable[[int, int, Any], None] | None = None,
 ) -> list[Run]:
     """Trains one run per method, the runs taking one step each in turn.
 
@@ -136,36 +137,45 @@ def run_round(
 
     - `problem`: the problem.
     - `methods`: the runs' methods.
-    - `steps`: the most steps of each run.
+    - `steps`: the most steps of each run, or one number per method.
     - `seed`: seeds the batch stream's keys.
     - `perturb`: `perturb(step, batch) -> batch`, applied to every batch before its step (e.g. to
       inject an outlier batch).
     - `stop_at_nonfinite`: stop a run at its first non-finite loss.
     - `stop_below`: stop a run once a loss is at most this (`None`: run every step).
     - `keep_final`: keep each run's last model and state in its `Run`.
+    - `observe`: `observe(index, step, model)`, called after every step of the run of
+      `methods[index]` with its new model, outside the timed work (e.g. to evaluate a validation
+      loss now and then).
 
     **Returns:**
 
     One `Run` per method, in order.
     """
-    keys = _keys(seed, steps)
+    budgets = [steps] * len(methods) if isinstance(steps, int) else list(steps)
+    if len(budgets) != len(methods):
+        raise ValueError(f"run_round: {len(budgets)} step budgets for {len(methods)} methods.")
+    observe = observe or (lambda index, step, model: None)
+    keys = _keys(seed, max(budgets))
     first_batch = problem.next_batch(problem.model, 0, keys[0, 0], None)
     # Sampling's own compilation (the Monte Carlo moves) is charged to no run.
     jax.block_until_ready(problem.next_batch(problem.model, 1, keys[0, 0], first_batch))
     step_batch = first_batch if perturb is None else perturb(0, first_batch)
     runs = []
-    for method in methods:
+    for index, method in enumerate(methods):
         runs.append(_start(problem, method, step_batch, keys[0, 1]))
         runs[-1].batch = first_batch
-    progress = Progress(steps, f"{problem.name} seed {seed}")
-    for t in range(1, steps):
-        for run in runs:
+        observe(index, 0, runs[-1].model)
+    progress = Progress(max(budgets), f"{problem.name} seed {seed}")
+    for t in range(1, max(budgets)):
+        for index, (run, budget) in enumerate(zip(runs, budgets)):
             loss = run.records[-1]["loss"]
-            run.stopped |= (stop_at_nonfinite and not np.isfinite(loss)) or (
+            run.stopped |= t >= budget or (stop_at_nonfinite and not np.isfinite(loss)) or (
                 stop_below is not None and loss <= stop_below
             )
             if not run.stopped:
                 _advance(problem, run, t, keys, perturb)
+                observe(index, t, run.model)
         progress.update(t + 1, ", ".join(f"{r.method.label}: {r.records[-1]['loss']:.4g}" for r in runs))
     progress.close()
     # The round's compiled steps are not used again. XLA on CPU maps each compiled kernel into the

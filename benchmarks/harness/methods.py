@@ -11,9 +11,10 @@ batch's `loss` (and K-FAC's step statistics):
   would slow the steps of the runs it alternates with.
 - `"recipe"`: `eqx_kfac.kfac_optax(loss, example_args, learning_rate)` (K-FAC preconditioning, a
   norm constraint, momentum); `learning_rate=None` takes its default.
-- an optax transform of `OPTAX` (`adam`, `adamw`, `adabelief`, `sgd`, `muon`, `sophia`, `psgd`),
-  built as `OPTAX[name](learning_rate, **options)`. Sophia's update takes the objective
-  (`obj_fn`, the batch's loss).
+- an optax transform of `OPTAX` (`adam`, `adamw`, `adabelief`, `sgd`, `muon`, `sophia`, `psgd`,
+  `soap` (`soap.py`), `shampoo` (Shampoo with Adam grafting, `shampoo.py`)), built as
+  `OPTAX[name](learning_rate, **options)`. Sophia's update takes the objective (`obj_fn`, the
+  batch's loss).
 
 `Method.options` are keywords of `Optimizer` for `"kfac"` (its parts, e.g. `damping_rule=`), of
 `kfac_optax` for `"recipe"`, of the optax transform otherwise.
@@ -34,6 +35,8 @@ import eqx_kfac
 
 from .flax_configs import adamw_rsqrt, sgd_decayed, sgd_nesterov_cosine
 from .problem import Problem
+from .shampoo import shampoo
+from .soap import soap
 
 # K-FAC's forms (`Optimizer`, with a warm start, `kfac_optax`).
 KFAC_METHODS = ("kfac", "warm", "recipe")
@@ -87,6 +90,8 @@ OPTAX: dict[str, Callable[..., optax.GradientTransformation]] = {
     "muon": optax.contrib.muon,
     "sophia": optax.contrib.sophia,
     "psgd": psgd_kron,
+    "soap": soap,
+    "shampoo": shampoo,
     # The optimizers of Flax's example configs (benchmarks/flax_suite).
     "adamw_rsqrt": adamw_rsqrt,
     "sgd_nesterov_cosine": sgd_nesterov_cosine,
@@ -105,15 +110,27 @@ class Method:
     - `name`: `"kfac"`, `"recipe"` or a key of `OPTAX`.
     - `learning_rate`: the learning rate (`None` for `"kfac"`, and for `"recipe"` at its default).
     - `options`: keywords for the optimizer (see the module docstring).
+    - `schedule`: `schedule(learning_rate) -> optax schedule`, given to the optimizer in place of
+      the constant rate (e.g. a warmup and a cosine decay peaking at `learning_rate`); `None`:
+      the constant rate. Not for `"kfac"` and `"warm"`, whose rate is adapted.
     """
 
     name: str
     learning_rate: float | None = None
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    schedule: Callable[[float], optax.Schedule] | None = None
 
     def __post_init__(self):
         if self.name not in (*KFAC_METHODS, *OPTAX):
             raise ValueError(f"method must be one of {(*KFAC_METHODS, *OPTAX)}, got {self.name!r}.")
+        if self.schedule is not None and (self.name in SELF_COMPILING or self.learning_rate is None):
+            raise ValueError(f"Method {self.name!r}: a schedule needs a learning rate to shape (the "
+                             "adapted rate of 'kfac' and 'warm' takes none).")
+
+    @property
+    def rate(self) -> float | optax.Schedule | None:
+        """What the optimizer is given: the schedule at `learning_rate`, or the rate itself."""
+        return self.learning_rate if self.schedule is None else self.schedule(self.learning_rate)
 
     @property
     def label(self) -> str:
@@ -217,8 +234,8 @@ def make_step(problem: Problem, method: Method, batch: Any) -> tuple[Callable, A
         return _kfac(problem, batch, method.options)
     if method.name == "recipe":
         example = problem.args(problem.model, problem.func_state, jax.random.key(0), batch)
-        rate = {} if method.learning_rate is None else {"learning_rate": method.learning_rate}
+        rate = {} if method.learning_rate is None else {"learning_rate": method.rate}
         transform = eqx_kfac.kfac_optax(problem.loss, example, **rate, **method.options)
         return _optax(problem, transform, objective=False, kfac=True)
-    transform = OPTAX[method.name](method.learning_rate, **method.options)
+    transform = OPTAX[method.name](method.rate, **method.options)
     return _optax(problem, transform, objective=method.name in _NEEDS_OBJECTIVE, kfac=False)

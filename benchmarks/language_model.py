@@ -1,0 +1,316 @@
+"""Language models: K-FAC against AdamW, Muon, SOAP, Shampoo and PSGD-Kron at equal seconds.
+
+    pip install -e ".[dev,bench]"
+    python benchmarks/language_model.py --quick     # one seed, 60 s per method, reference rates
+    python benchmarks/language_model.py             # three seeds, 600 s per method, rate ladders
+    python benchmarks/language_model.py --methods kfac adamw muon --seconds 120 --plots docs/img
+
+The model (`benchmarks/model_zoo/gpt.py`): a decoder-only transformer written as Equinox users
+write one (token and position embeddings, pre-norm blocks with RMSNorm, causal multi-head
+attention, a 4x MLP, an untied head), trained on the characters of Python's own help topics
+(`pydoc_data.topics`), the last tenth held out for the validation loss.
+
+Methods (`METHODS`), all from the same initial parameters on the same batches:
+
+- `kfac`: `eqx_kfac.Optimizer` in its recommended configuration (rate, momentum and damping
+  adapted; no rate to tune).
+- `recipe`: `eqx_kfac.kfac_optax` (K-FAC preconditioning, norm constraint, momentum), its
+  statistics every 5th step and its inverses every 25th (`KFAC_PERIODS`).
+- `eigen`: `eqx_kfac.kfac_optax(direction=eqx_kfac.EigenbasisAdam(), momentum=None)`: Adam's
+  moments in the K-FAC eigenbasis (SOAP's step with K-FAC's factors), the same periods.
+- `adamw`: `optax.adamw` with GPT-2's moments and decay (b2 0.95, weight decay 0.1).
+- `muon`: `optax.contrib.muon`.
+- `soap`, `shampoo`: written here from their papers (`benchmarks/harness/soap.py`, `shampoo.py`).
+- `psgd`: `psgd_jax.kron.kron` (PSGD-Kron), from the `bench` extra.
+
+Budgets and schedules: every method gets the same compiled seconds (`--seconds`). A calibration
+round measures each method's mean step time (its batches included) over `CALIBRATION_STEPS`
+steps; its step budget is the seconds over that time. Every method with a rate follows the same
+schedule over its own budget: a linear warmup over the first `WARMUP` of the steps to the peak
+rate, then a cosine decay to a tenth of it. The peak rate is tuned on seed 0 by one rule for every
+method (`benchmarks.harness.ladder`: the reference rate `REFERENCE_LR` and its two neighbours,
+extended while the best final validation loss is at an end, up to `--max-grid` rates); the other
+seeds reuse it. The runs of a round advance one step each in turn, so load falls on all alike.
+
+Measured: the validation loss (`EVALUATIONS` times per run, outside the timed work) against steps,
+compiled seconds and seconds from the first call (building the optimizer, tracing and compiling
+its step included); each method's validation loss when the compiled budget is spent, and at the
+same number of seconds counted from its first call; the time to reach AdamW's final validation
+loss; the peak memory of one step (`step_memory`: arguments, outputs and temporaries of the step
+compiled alone, less what it aliases). Medians over the seeds.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+
+import eqx_kfac
+from benchmarks.harness import ladder, make_step, Method, psgd_error, Run, run_round
+from benchmarks.model_zoo import gpt
+
+METHODS = ("kfac", "recipe", "eigen", "adamw", "muon", "soap", "shampoo", "psgd")
+# The documented starting points: kfac_optax's default 0.1; SOAP's paper 3e-3 (also for Adam in
+# the K-FAC eigenbasis); GPT-2-style AdamW 1e-3; Muon's reference 0.02 (rounded up to the ladder);
+# Shampoo grafted on Adam and PSGD-Kron (psgd-jax's default) 1e-3.
+REFERENCE_LR = {"recipe": 0.1, "eigen": 3e-3, "adamw": 1e-3, "muon": 0.03, "soap": 3e-3,
+                "shampoo": 1e-3, "psgd": 1e-3}
+# kfac_optax's two forms fold the statistics in every 5th step and refresh the inverses every
+# 25th: on this model (the defaults: width 128, 50 steps) that made the step 1.5x cheaper
+# (332 -> 226 ms; AdamW 173) for a training loss 0.016 higher at step 50.
+KFAC_PERIODS = dict(curvature_update_period=5, inverse_update_period=25)
+CALIBRATION_STEPS = 12
+WARMUP = 0.05
+EVALUATIONS = 24
+
+
+def warmup_cosine(steps: int):
+    """`peak -> schedule`: linear warmup over `WARMUP` of `steps`, then cosine to `peak / 10`."""
+    warmup = max(1, int(WARMUP * steps))
+    return lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), peak / 10)
+
+
+def make_method(name: str, learning_rate: float | None, steps: int) -> Method:
+    """The `Method` of one run: its peak rate on the shared schedule over `steps` steps."""
+    if name == "kfac":
+        return Method("kfac")
+    options = dict(
+        recipe=KFAC_PERIODS,
+        eigen=dict(direction=eqx_kfac.EigenbasisAdam(b1=0.95, b2=0.95), momentum=None, **KFAC_PERIODS),
+        adamw=dict(b2=0.95, weight_decay=0.1),
+    ).get(name, {})
+    return Method("recipe" if name == "eigen" else name, learning_rate, options, warmup_cosine(steps))
+
+
+@dataclasses.dataclass
+class Trial:
+    """One run and its validation losses (`evaluated[i]` after step `steps[i]`)."""
+
+    name: str
+    run: Run
+    steps: list
+    evaluated: list
+
+    def clock(self, compiled: bool) -> np.ndarray:
+        """`(steps,)`: seconds until the parameters after each step exist, from the first call
+        (`compiled`: counting the steps and batches only, the first step at the median)."""
+        run = self.run
+        work = np.concatenate([[0.0], np.cumsum(run.times + run.batch_times)])
+        return (run.ms_per_step / 1e3 if compiled else run.first_call.total) + work
+
+    def at(self, seconds: float, compiled: bool) -> float:
+        """The last validation loss at most `seconds` into the run (NaN before the first)."""
+        clock = self.clock(compiled)
+        kept = [v for s, v in zip(self.steps, self.evaluated) if clock[s] <= seconds]
+        return kept[-1] if kept else float("nan")
+
+    def reach(self, target: float, compiled: bool) -> float:
+        """Seconds until the validation loss is at most `target` (NaN: never)."""
+        clock = self.clock(compiled)
+        hits = [clock[s] for s, v in zip(self.steps, self.evaluated) if v <= target]
+        return float(hits[0]) if hits else float("nan")
+
+    @property
+    def final(self) -> float:
+        return self.evaluated[-1] if self.evaluated else float("nan")
+
+
+def _round(problem, names, rates, budgets, seed) -> list[Trial]:
+    """One round: each method at its rate and step budget, validated `EVALUATIONS` times."""
+    validation = gpt.validation_batch(problem.model.positions.num_embeddings)
+    evaluate = eqx.filter_jit(gpt.mean_cross_entropy)
+    every = [max(1, b // EVALUATIONS) for b in budgets]
+    log = [([], []) for _ in names]
+
+    def observe(index: int, step: int, model) -> None:
+        if step % every[index] == 0 or step == budgets[index] - 1:
+            log[index][0].append(step)
+            log[index][1].append(float(evaluate(model, validation)))
+
+    methods = [make_method(n, r, b) for n, r, b in zip(names, rates, budgets)]
+    runs = run_round(problem, methods, budgets, seed, observe=observe)
+    return [Trial(n, run, *entry) for n, run, entry in zip(names, runs, log)]
+
+
+def calibrate(problem, names: Sequence[str], seconds: float) -> dict[str, int]:
+    """Each method's step budget: `seconds` over its mean step time (batches included) in a round
+    of `CALIBRATION_STEPS` steps at its reference rate."""
+    rates = [REFERENCE_LR.get(n) for n in names]
+    runs = run_round(problem, [make_method(n, r, CALIBRATION_STEPS) for n, r in zip(names, rates)],
+                     CALIBRATION_STEPS)
+    step = {n: float(np.mean(r.times[1:] + r.batch_times[1 : len(r.times)])) for n, r in zip(names, runs)}
+    return {n: max(CALIBRATION_STEPS, int(seconds / step[n])) for n in names}
+
+
+def tune(problem, names, budgets, max_grid) -> dict[str, list[Trial]]:
+    """Every method's rate ladder on seed 0, scored by the final validation loss."""
+    grids = {n: [] for n in names}
+    pending = [(n, r) for n in names for r in ladder.initial_grid(REFERENCE_LR.get(n), max_grid)]
+    while pending:
+        trials = _round(problem, [n for n, _ in pending], [r for _, r in pending],
+                        [budgets[n] for n, _ in pending], 0)
+        for (name, _), trial in zip(pending, trials):
+            grids[name].append(trial)
+        pending = []
+        for name in names:
+            scores = {t.run.learning_rate: t.final for t in grids[name] if t.run.learning_rate is not None}
+            if (rate := ladder.extension(scores, max_grid)) is not None:
+                pending.append((name, rate))
+    return grids
+
+
+def _best(trials: Sequence[Trial]) -> Trial:
+    return min(trials, key=lambda t: (not np.isfinite(t.final), t.final))
+
+
+def step_memory(problem, name: str, learning_rate: float | None) -> int:
+    """Peak bytes of one step of a method, compiled alone: its arguments (parameters, optimizer
+    state, batch), outputs and temporaries, less the buffers the outputs alias."""
+    key = jax.random.key(0)
+    batch = problem.next_batch(problem.model, 0, key, None)
+    step, state = make_step(problem, make_method(name, learning_rate, 100), batch)
+    memory = eqx.filter_jit(step).lower(problem.model, state, key, batch).compile().compiled.memory_analysis()
+    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes
+               + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+
+
+def summarise(repeats: dict[str, list[Trial]], seconds: float, memory: dict[str, int]) -> dict[str, dict]:
+    """Per method, medians over seeds: see the module docstring (and `table`)."""
+    adamw = repeats.get("adamw")
+    target = float(np.median([t.final for t in adamw])) if adamw else float("nan")
+    rows = {}
+    for name, trials in repeats.items():
+        def median(values):
+            return float(np.median(values))
+
+        rows[name] = dict(
+            learning_rate=trials[0].run.learning_rate, steps=len(trials[0].run.losses),
+            step_ms=median([t.run.ms_per_step for t in trials]),
+            first_call=median([t.run.first_call.total for t in trials]),
+            final=median([t.final for t in trials]),
+            compiled=median([t.at(seconds, True) for t in trials]),
+            from_first_call=median([t.at(seconds, False) for t in trials]),
+            reach_compiled=median([t.reach(target, True) for t in trials]),
+            reach_first_call=median([t.reach(target, False) for t in trials]),
+            memory_mib=memory[name] / 2**20,
+        )
+    return rows
+
+
+def table(rows: dict[str, dict], seconds: float) -> str:
+    """The summary as a markdown table, ratios to AdamW's where it ran."""
+    base = rows.get("adamw", {})
+
+    def ratio(row, key):
+        return f" ({row[key] / base[key]:.2f}x)" if base.get(key) else ""
+
+    lines = [
+        f"| method | peak rate | steps | step ms | first call s | val. loss at {seconds:g} s compiled "
+        f"| at {seconds:g} s from the first call | to AdamW's final, compiled s | from the first call s "
+        "| memory MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        rate = "adapted" if row["learning_rate"] is None else f"{row['learning_rate']:g}"
+        lines.append(
+            f"| {name} | {rate} | {row['steps']} | {row['step_ms']:.0f}{ratio(row, 'step_ms')} "
+            f"| {row['first_call']:.1f} | {row['compiled']:.3f} | {row['from_first_call']:.3f} "
+            f"| {row['reach_compiled']:.0f}{ratio(row, 'reach_compiled')} "
+            f"| {row['reach_first_call']:.0f}{ratio(row, 'reach_first_call')} "
+            f"| {row['memory_mib']:.1f}{ratio(row, 'memory_mib')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(repeats: dict[str, list[Trial]], path: str) -> None:
+    """Seed 0's validation loss against steps, compiled seconds and seconds from the first call."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    for name, trials in repeats.items():
+        trial = trials[0]
+        steps = np.asarray(trial.steps)
+        for axis, x in zip(axes, (steps, trial.clock(True)[steps], trial.clock(False)[steps])):
+            axis.plot(x, trial.evaluated, label=name)
+    for axis, label in zip(axes, ("steps", "compiled seconds", "seconds from the first call")):
+        axis.set_xlabel(label)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (nats per character)")
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (see `--help`)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--quick", action="store_true", help="60 s per method, one seed, reference rates")
+    parser.add_argument("--seconds", type=float, help="compiled seconds per method (default 600, 60 with --quick)")
+    parser.add_argument("--seeds", type=int, help="number of seeds (default 3, 1 with --quick)")
+    parser.add_argument("--max-grid", type=int, help="most rates per method (default 5, 1 with --quick)")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--length", type=int, default=64, help="characters of context")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--plots", help="write language_model.png to this folder")
+    parser.add_argument("--save", help="write the summary and every seed's curves to this JSON file")
+    args = parser.parse_args(argv)
+    args.seconds = args.seconds or (60.0 if args.quick else 600.0)
+    args.seeds = args.seeds or (1 if args.quick else 3)
+    args.max_grid = args.max_grid or (1 if args.quick else 5)
+    if args.max_grid == 2 or args.max_grid < 1:
+        parser.error("--max-grid is 1 (the reference rate) or at least 3 (it and its neighbours)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = list(args.methods)
+    if "psgd" in names and (error := psgd_error()) is not None:
+        print(f"psgd-jax's kron left out: {error}")
+        names.remove("psgd")
+    start = time.perf_counter()
+
+    def problem(seed: int):
+        return gpt.problem(jax.random.key(seed), width=args.width, depth=args.depth,
+                           length=args.length, batch_size=args.batch_size)
+
+    budgets = calibrate(problem(0), names, args.seconds)
+    print("step budgets:", budgets, flush=True)
+    chosen = {n: _best(trials) for n, trials in tune(problem(0), names, budgets, args.max_grid).items()}
+    repeats = {n: [t] for n, t in chosen.items()}
+    for seed in range(1, args.seeds):
+        rates = [chosen[n].run.learning_rate for n in names]
+        for trial in _round(problem(seed), names, rates, [budgets[n] for n in names], seed):
+            repeats[trial.name].append(trial)
+    memory = {n: step_memory(problem(0), n, chosen[n].run.learning_rate) for n in names}
+    rows = summarise(repeats, args.seconds, memory)
+    print(table(rows, args.seconds))
+    print(f"\n{time.perf_counter() - start:.0f} s in all; {args.seeds} seed(s), at most {args.max_grid} "
+          f"rate(s) per method; width {args.width}, depth {args.depth}, context {args.length}, "
+          f"batch {args.batch_size}; {jax.devices()[0].platform}.")
+    if args.plots:
+        plot(repeats, f"{args.plots}/language_model.png")
+    if args.save:
+        curves = {n: [dict(steps=t.steps, validation=t.evaluated, compiled=t.clock(True)[t.steps].tolist(),
+                           from_first_call=t.clock(False)[t.steps].tolist()) for t in trials]
+                  for n, trials in repeats.items()}
+        with open(args.save, "w") as file:
+            json.dump(dict(args=vars(args), rows=rows, curves=curves), file, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The language-model benchmark (benchmarks/language_model.py) and its model
+(benchmarks/model_zoo/gpt.py): the model's registration and data, the per-method step budgets and
+observation of `run_round`, the schedule, the bookkeeping of validation losses in seconds, the
+step's memory, and a whole tiny run of the script."""
+
+import json
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_kfac
+from benchmarks import language_model as lm
+from benchmarks.harness import FirstCall, Method, registration_summary, Run, run_round, topics_text
+from benchmarks.model_zoo import gpt
+
+TINY = dict(width=16, depth=1, heads=2, length=8, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return gpt.problem(jax.random.key(0), **TINY)
+
+
+def test_every_parameter_of_the_untied_model_gets_a_structured_block(problem):
+    kinds, generic = registration_summary(problem)
+    assert generic == 0
+    # Per block: the four attention projections and the MLP's two layers; and the head.
+    assert "7 DenseTwoKroneckerFactored" in kinds and "2 EmbeddingKroneckerFactored" in kinds
+
+
+def test_the_registered_loss_is_the_per_character_mean(problem):
+    # `mean_over="all"` must make the registered loss's value the function's value: the check at
+    # `init` compares them and warns otherwise.
+    args = problem.first_args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqx_kfac.BlockDiagonalCurvature(problem.loss, args, on_unmatched="error")
+    batch = args[-1]
+    logits = jax.vmap(problem.model)(batch[:, :-1])
+    by_hand = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1))
+    np.testing.assert_allclose(problem.loss(*args), by_hand, rtol=1e-10)
+    np.testing.assert_allclose(gpt.mean_cross_entropy(*args), by_hand, rtol=1e-10)
+
+
+def test_the_model_is_causal(problem):
+    ids = jnp.arange(8) % gpt.vocabulary_size()
+    changed = ids.at[5].set((ids[5] + 1) % gpt.vocabulary_size())
+    before, after = problem.model(ids), problem.model(changed)
+    np.testing.assert_allclose(before[:5], after[:5], rtol=1e-12)
+    assert not np.allclose(before[5:], after[5:])
+
+
+def test_batches_come_from_the_first_nine_tenths_and_validation_from_the_rest(problem):
+    text = topics_text()
+    chars = sorted(set(text))
+    decode = lambda row: "".join(chars[i] for i in np.asarray(row))  # noqa: E731
+    cut = int(len(text) * 0.9)
+    batch = problem.next_batch(problem.model, 0, jax.random.key(3), None)
+    assert batch.shape == (4, 9)
+    for row in batch:
+        assert decode(row) in text[:cut]
+    validation = gpt.validation_batch(8, count=5)
+    assert validation.shape == (5, 9)
+    for row in validation:
+        assert decode(row) in text[cut:]
+    # The same key gives the same batch (every method of a seed sees the same batches).
+    np.testing.assert_array_equal(batch, problem.next_batch(None, 7, jax.random.key(3), None))
+
+
+def test_run_round_takes_a_step_budget_per_method_and_observes_every_step(problem):
+    seen = []
+    runs = run_round(problem, [Method("adamw", 1e-3), Method("sgd", 1e-2)], [2, 4],
+                     observe=lambda index, step, model: seen.append((index, step)))
+    assert [len(r.losses) for r in runs] == [2, 4]
+    assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (1, 3)]
+    with pytest.raises(ValueError, match="2 step budgets for 1 methods"):
+        run_round(problem, [Method("sgd", 1e-2)], [2, 3])
+
+
+def test_the_schedule_warms_up_then_decays_to_a_tenth():
+    schedule = lm.warmup_cosine(200)(0.01)
+    assert float(schedule(0)) == 0.0
+    np.testing.assert_allclose(schedule(10), 0.01, rtol=1e-12)
+    np.testing.assert_allclose(schedule(5), 0.005, rtol=1e-12)
+    np.testing.assert_allclose(schedule(200), 0.001, rtol=1e-12)
+    assert lm.make_method("kfac", None, 100).schedule is None
+    eigen = lm.make_method("eigen", 3e-3, 100)
+    assert eigen.name == "recipe" and isinstance(eigen.options["direction"], eqx_kfac.EigenbasisAdam)
+    with pytest.raises(ValueError, match="adapted rate"):
+        Method("kfac", None, schedule=lm.warmup_cosine(10))
+
+
+def _trial(steps, evaluated, first_call=2.0, step_seconds=0.5):
+    n = max(steps) + 1
+    run = Run("gpt", "adamw", 1e-3, 0, np.ones(n), np.full(n - 1, step_seconds), np.zeros(n - 1),
+              FirstCall(first_call, 0.0, 0.0, 0.0, 0.0))
+    return lm.Trial("adamw", run, list(steps), list(evaluated))
+
+
+def test_validation_losses_are_placed_in_seconds_after_their_step():
+    trial = _trial([0, 4, 8], [3.0, 2.0, 1.5])
+    # After step s: the first step at the median (0.5 s) and s more steps of 0.5 s, compiled;
+    # from the first call, the first call's 2 s instead of the first step.
+    np.testing.assert_allclose(trial.clock(True)[[0, 4, 8]], [0.5, 2.5, 4.5])
+    np.testing.assert_allclose(trial.clock(False)[[0, 4, 8]], [2.0, 4.0, 6.0])
+    assert trial.at(2.5, compiled=True) == 2.0 and trial.at(2.4, compiled=True) == 3.0
+    assert trial.at(5.0, compiled=False) == 2.0 and np.isnan(trial.at(1.0, compiled=False))
+    assert trial.reach(2.0, compiled=True) == 2.5 and trial.reach(1.6, compiled=False) == 6.0
+    assert np.isnan(trial.reach(1.0, compiled=True)) and trial.final == 1.5
+
+
+def test_summary_and_table_give_ratios_to_adamw():
+    repeats = {"adamw": [_trial([0, 4, 8], [3.0, 2.0, 1.5])],
+               "soap": [_trial([0, 4, 8], [3.0, 1.5, 1.0], first_call=1.0, step_seconds=1.0)]}
+    rows = lm.summarise(repeats, 4.0, {"adamw": 2**20, "soap": 3 * 2**20})
+    assert rows["soap"]["reach_compiled"] == 5.0 and rows["adamw"]["reach_compiled"] == 4.5
+    assert rows["soap"]["compiled"] == 3.0 and rows["adamw"]["compiled"] == 2.0
+    text = lm.table(rows, 4.0)
+    assert "| soap | 0.001 | 9 | 1000 (2.00x) |" in text and "3.0 (3.00x) |" in text
+
+
+def test_step_memory_counts_the_parameters_and_the_optimizer_state(problem):
+    params = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(problem.model, eqx.is_inexact_array)))
+    sgd, adamw = (lm.step_memory(problem, name, 1e-3) for name in ("sgd", "adamw"))
+    # AdamW's step takes two moments more than SGD's (its arguments alone grow by 2x the
+    # parameters; its outputs too, though XLA may reuse temporaries for them).
+    assert adamw >= 3 * params and adamw - sgd >= 2 * params
+
+
+def test_a_tiny_run_of_the_script_writes_its_table_and_curves(tmp_path, capsys):
+    path = tmp_path / "lm.json"
+    args = ["--quick", "--methods", "adamw", "soap", "--seconds", "0.5", "--width", "16", "--depth",
+            "1", "--length", "8", "--batch-size", "4", "--save", str(path)]
+    assert lm.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| adamw | 0.001 |" in out and "| soap | 0.003 |" in out
+    saved = json.loads(path.read_text())
+    for name in ("adamw", "soap"):
+        curve = saved["curves"][name][0]
+        assert len(curve["validation"]) == len(curve["steps"]) >= 2
+        assert np.all(np.diff(curve["compiled"]) > 0)
