@@ -34,8 +34,8 @@ seeds reuse it. The runs of a round advance one step each in turn, so load falls
 
 Measured: the validation loss (`EVALUATIONS` times per run, outside the timed work) against steps,
 compiled seconds and seconds from the first call (building the optimizer, tracing and compiling
-its step included); each method's validation loss when the compiled budget is spent, and at the
-same number of seconds counted from its first call; the time to reach AdamW's final validation
+its step included); each method's validation loss at the compiled seconds every run lasted, and
+at the seconds from the first call every run lasted (`common_seconds`); the time to reach AdamW's final validation
 loss; the peak memory of one step (`step_memory`: arguments, outputs and temporaries of the step
 compiled alone, less what it aliases). Medians over the seeds.
 """
@@ -45,7 +45,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
@@ -53,7 +53,7 @@ import numpy as np
 import optax
 
 import eqx_kfac
-from benchmarks.harness import ladder, make_step, Method, psgd_error, Run, run_round
+from benchmarks.harness import ladder, make_step, Method, Problem, psgd_error, Run, run_round
 from benchmarks.model_zoo import gpt
 
 METHODS = ("kfac", "recipe", "eigen", "adamw", "muon", "soap", "shampoo", "psgd")
@@ -71,7 +71,7 @@ WARMUP = 0.05
 EVALUATIONS = 24
 
 
-def warmup_cosine(steps: int):
+def warmup_cosine(steps: int) -> Callable[[float], optax.Schedule]:
     """`peak -> schedule`: linear warmup over `WARMUP` of `steps`, then cosine to `peak / 10`."""
     warmup = max(1, int(WARMUP * steps))
     return lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), peak / 10)
@@ -122,14 +122,16 @@ class Trial:
         return self.evaluated[-1] if self.evaluated else float("nan")
 
 
-def _round(problem, names, rates, budgets, seed) -> list[Trial]:
+def _round(
+    problem: Problem, names: Sequence[str], rates: Sequence[float | None], budgets: Sequence[int], seed: int
+) -> list[Trial]:
     """One round: each method at its rate and step budget, validated `EVALUATIONS` times."""
     validation = gpt.validation_batch(problem.model.positions.num_embeddings)
     evaluate = eqx.filter_jit(gpt.mean_cross_entropy)
     every = [max(1, b // EVALUATIONS) for b in budgets]
     log = [([], []) for _ in names]
 
-    def observe(index: int, step: int, model) -> None:
+    def observe(index: int, step: int, model: gpt.GPT) -> None:
         if step % every[index] == 0 or step == budgets[index] - 1:
             log[index][0].append(step)
             log[index][1].append(float(evaluate(model, validation)))
@@ -139,7 +141,7 @@ def _round(problem, names, rates, budgets, seed) -> list[Trial]:
     return [Trial(n, run, *entry) for n, run, entry in zip(names, runs, log)]
 
 
-def calibrate(problem, names: Sequence[str], seconds: float) -> dict[str, int]:
+def calibrate(problem: Problem, names: Sequence[str], seconds: float) -> dict[str, int]:
     """Each method's step budget: `seconds` over its mean step time (batches included) in a round
     of `CALIBRATION_STEPS` steps at its reference rate."""
     rates = [REFERENCE_LR.get(n) for n in names]
@@ -149,7 +151,9 @@ def calibrate(problem, names: Sequence[str], seconds: float) -> dict[str, int]:
     return {n: max(CALIBRATION_STEPS, int(seconds / step[n])) for n in names}
 
 
-def tune(problem, names, budgets, max_grid) -> dict[str, list[Trial]]:
+def tune(
+    problem: Problem, names: Sequence[str], budgets: dict[str, int], max_grid: int
+) -> dict[str, list[Trial]]:
     """Every method's rate ladder on seed 0, scored by the final validation loss."""
     grids = {n: [] for n in names}
     pending = [(n, r) for n in names for r in ladder.initial_grid(REFERENCE_LR.get(n), max_grid)]
@@ -170,7 +174,7 @@ def _best(trials: Sequence[Trial]) -> Trial:
     return min(trials, key=lambda t: (not np.isfinite(t.final), t.final))
 
 
-def step_memory(problem, name: str, learning_rate: float | None) -> int:
+def step_memory(problem: Problem, name: str, learning_rate: float | None) -> int:
     """Peak bytes of one step of a method, compiled alone: its arguments (parameters, optimizer
     state, batch), outputs and temporaries, less the buffers the outputs alias."""
     key = jax.random.key(0)
@@ -181,22 +185,31 @@ def step_memory(problem, name: str, learning_rate: float | None) -> int:
                + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
 
 
-def summarise(repeats: dict[str, list[Trial]], seconds: float, memory: dict[str, int]) -> dict[str, dict]:
+def common_seconds(repeats: dict[str, list[Trial]]) -> tuple[float, float]:
+    """The seconds every run lasted, compiled and from the first call: where the methods are
+    compared (a calibration slowed by other load leaves every run short of `--seconds` alike)."""
+    trials = [t for ts in repeats.values() for t in ts]
+    return min(t.clock(True)[-1] for t in trials), min(t.clock(False)[-1] for t in trials)
+
+
+def summarise(repeats: dict[str, list[Trial]], memory: dict[str, int]) -> dict[str, dict]:
     """Per method, medians over seeds: see the module docstring (and `table`)."""
     adamw = repeats.get("adamw")
     target = float(np.median([t.final for t in adamw])) if adamw else float("nan")
+    compiled, wall = common_seconds(repeats)
+
+    def median(values) -> float:
+        return float(np.median(values))
+
     rows = {}
     for name, trials in repeats.items():
-        def median(values):
-            return float(np.median(values))
-
         rows[name] = dict(
             learning_rate=trials[0].run.learning_rate, steps=len(trials[0].run.losses),
             step_ms=median([t.run.ms_per_step for t in trials]),
             first_call=median([t.run.first_call.total for t in trials]),
             final=median([t.final for t in trials]),
-            compiled=median([t.at(seconds, True) for t in trials]),
-            from_first_call=median([t.at(seconds, False) for t in trials]),
+            compiled=median([t.at(compiled, True) for t in trials]),
+            from_first_call=median([t.at(wall, False) for t in trials]),
             reach_compiled=median([t.reach(target, True) for t in trials]),
             reach_first_call=median([t.reach(target, False) for t in trials]),
             memory_mib=memory[name] / 2**20,
@@ -204,27 +217,30 @@ def summarise(repeats: dict[str, list[Trial]], seconds: float, memory: dict[str,
     return rows
 
 
-def table(rows: dict[str, dict], seconds: float) -> str:
-    """The summary as a markdown table, ratios to AdamW's where it ran."""
+def table(rows: dict[str, dict], compiled: float, wall: float) -> str:
+    """The summary as a markdown table, ratios to AdamW's where it ran (`compiled`, `wall`: the
+    seconds of `common_seconds`)."""
     base = rows.get("adamw", {})
 
-    def ratio(row, key):
-        return f" ({row[key] / base[key]:.2f}x)" if base.get(key) else ""
+    def cell(row, key, digits):
+        """`row[key]` and its ratio to AdamW's; "never" for a target not reached."""
+        if not np.isfinite(row[key]):
+            return "never"
+        known = base.get(key) and np.isfinite(base[key])
+        return f"{row[key]:.{digits}f}" + (f" ({row[key] / base[key]:.2f}x)" if known else "")
 
     lines = [
-        f"| method | peak rate | steps | step ms | first call s | val. loss at {seconds:g} s compiled "
-        f"| at {seconds:g} s from the first call | to AdamW's final, compiled s | from the first call s "
+        f"| method | peak rate | steps | step ms | first call s | val. loss at {compiled:.1f} s compiled "
+        f"| at {wall:.1f} s from the first call | to AdamW's final, compiled s | from the first call s "
         "| memory MiB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         rate = "adapted" if row["learning_rate"] is None else f"{row['learning_rate']:g}"
         lines.append(
-            f"| {name} | {rate} | {row['steps']} | {row['step_ms']:.0f}{ratio(row, 'step_ms')} "
-            f"| {row['first_call']:.1f} | {row['compiled']:.3f} | {row['from_first_call']:.3f} "
-            f"| {row['reach_compiled']:.0f}{ratio(row, 'reach_compiled')} "
-            f"| {row['reach_first_call']:.0f}{ratio(row, 'reach_first_call')} "
-            f"| {row['memory_mib']:.1f}{ratio(row, 'memory_mib')} |"
+            f"| {name} | {rate} | {row['steps']} | {cell(row, 'step_ms', 0)} | {row['first_call']:.1f} "
+            f"| {row['compiled']:.3f} | {row['from_first_call']:.3f} | {cell(row, 'reach_compiled', 0)} "
+            f"| {cell(row, 'reach_first_call', 0)} | {cell(row, 'memory_mib', 1)} |"
         )
     return "\n".join(lines)
 
@@ -296,8 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for trial in _round(problem(seed), names, rates, [budgets[n] for n in names], seed):
             repeats[trial.name].append(trial)
     memory = {n: step_memory(problem(0), n, chosen[n].run.learning_rate) for n in names}
-    rows = summarise(repeats, args.seconds, memory)
-    print(table(rows, args.seconds))
+    rows = summarise(repeats, memory)
+    print(table(rows, *common_seconds(repeats)))
     print(f"\n{time.perf_counter() - start:.0f} s in all; {args.seeds} seed(s), at most {args.max_grid} "
           f"rate(s) per method; width {args.width}, depth {args.depth}, context {args.length}, "
           f"batch {args.batch_size}; {jax.devices()[0].platform}.")

@@ -116,11 +116,17 @@ def test_validation_losses_are_placed_in_seconds_after_their_step():
 def test_summary_and_table_give_ratios_to_adamw():
     repeats = {"adamw": [_trial([0, 4, 8], [3.0, 2.0, 1.5])],
                "soap": [_trial([0, 4, 8], [3.0, 1.5, 1.0], first_call=1.0, step_seconds=1.0)]}
-    rows = lm.summarise(repeats, 4.0, {"adamw": 2**20, "soap": 3 * 2**20})
+    # Both runs last 8 steps: AdamW 4.5 s compiled and 6 s from its first call, SOAP 9 s and 9 s.
+    assert lm.common_seconds(repeats) == (4.5, 6.0)
+    rows = lm.summarise(repeats, {"adamw": 2**20, "soap": 3 * 2**20})
     assert rows["soap"]["reach_compiled"] == 5.0 and rows["adamw"]["reach_compiled"] == 4.5
-    assert rows["soap"]["compiled"] == 3.0 and rows["adamw"]["compiled"] == 2.0
-    text = lm.table(rows, 4.0)
+    # At 4.5 compiled seconds SOAP has only its step-0 loss (its step 4 ends at 5 s); at 6 s from
+    # the first call it has its step-4 loss (5 s), AdamW its step-8 loss (6 s).
+    assert rows["soap"]["compiled"] == 3.0 and rows["adamw"]["compiled"] == 1.5
+    assert rows["soap"]["from_first_call"] == 1.5 and rows["adamw"]["from_first_call"] == 1.5
+    text = lm.table(rows, 4.5, 6.0)
     assert "| soap | 0.001 | 9 | 1000 (2.00x) |" in text and "3.0 (3.00x) |" in text
+    assert "val. loss at 4.5 s compiled | at 6.0 s from the first call" in text
 
 
 def test_step_memory_counts_the_parameters_and_the_optimizer_state(problem):
