@@ -4,6 +4,7 @@
     python benchmarks/language_model.py --quick     # one seed, 60 s per method, reference rates
     python benchmarks/language_model.py             # three seeds, 600 s per method, rate ladders
     python benchmarks/language_model.py --methods kfac adamw muon --seconds 120 --plots docs/img
+    python benchmarks/language_model.py --rates adamw=0.003 muon=0.1    # these rates, not tuned
 
 The model (`benchmarks/model_zoo/gpt.py`): a decoder-only transformer written as Equinox users
 write one (token and position embeddings, pre-norm blocks with RMSNorm, causal multi-head
@@ -152,18 +153,25 @@ def calibrate(problem: Problem, names: Sequence[str], seconds: float) -> dict[st
 
 
 def tune(
-    problem: Problem, names: Sequence[str], budgets: dict[str, int], max_grid: int
+    problem: Problem, names: Sequence[str], budgets: dict[str, int], max_grid: int,
+    given: dict[str, float] | None = None,
 ) -> dict[str, list[Trial]]:
-    """Every method's rate ladder on seed 0, scored by the final validation loss."""
+    """Every method's rate ladder on seed 0, scored by the final validation loss (a method in
+    `given` runs at its given rate only)."""
+    given = given or {}
+
+    def first(name: str) -> list[float | None]:
+        return [given[name]] if name in given else ladder.initial_grid(REFERENCE_LR.get(name), max_grid)
+
     grids = {n: [] for n in names}
-    pending = [(n, r) for n in names for r in ladder.initial_grid(REFERENCE_LR.get(n), max_grid)]
+    pending = [(n, r) for n in names for r in first(n)]
     while pending:
         trials = _round(problem, [n for n, _ in pending], [r for _, r in pending],
                         [budgets[n] for n, _ in pending], 0)
         for (name, _), trial in zip(pending, trials):
             grids[name].append(trial)
         pending = []
-        for name in names:
+        for name in (n for n in names if n not in given):
             scores = {t.run.learning_rate: t.final for t in grids[name] if t.run.learning_rate is not None}
             if (rate := ladder.extension(scores, max_grid)) is not None:
                 pending.append((name, rate))
@@ -280,6 +288,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--length", type=int, default=64, help="characters of context")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rates", nargs="+", default=[], metavar="METHOD=RATE",
+                        help="peak rates to use as given, without tuning (e.g. muon=0.1 soap=0.01)")
     parser.add_argument("--plots", help="write language_model.png to this folder")
     parser.add_argument("--save", help="write the summary and every seed's curves to this JSON file")
     args = parser.parse_args(argv)
@@ -288,7 +298,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.max_grid = args.max_grid or (1 if args.quick else 5)
     if args.max_grid == 2 or args.max_grid < 1:
         parser.error("--max-grid is 1 (the reference rate) or at least 3 (it and its neighbours)")
+    args.rates = dict(_given_rate(parser, text, args.methods) for text in args.rates)
     return args
+
+
+def _given_rate(parser: argparse.ArgumentParser, text: str, methods: Sequence[str]) -> tuple[str, float]:
+    """`"muon=0.1"` as `("muon", 0.1)`, or a parser error that says what is wrong."""
+    name, _, rate = text.partition("=")
+    if name not in methods or name == "kfac":
+        parser.error(f"--rates {text}: {name!r} is not one of the methods with a rate, {[m for m in methods if m != 'kfac']}")
+    try:
+        return name, float(rate)
+    except ValueError:
+        parser.error(f"--rates {text}: write METHOD=RATE with a number, e.g. {name}=0.01")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -305,7 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     budgets = calibrate(problem(0), names, args.seconds)
     print("step budgets:", budgets, flush=True)
-    chosen = {n: _best(trials) for n, trials in tune(problem(0), names, budgets, args.max_grid).items()}
+    grids = tune(problem(0), names, budgets, args.max_grid, args.rates)
+    chosen = {n: _best(trials) for n, trials in grids.items()}
     repeats = {n: [t] for n, t in chosen.items()}
     for seed in range(1, args.seeds):
         rates = [chosen[n].run.learning_rate for n in names]

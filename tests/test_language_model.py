@@ -140,12 +140,24 @@ def test_step_memory_counts_the_parameters_and_the_optimizer_state(problem):
 def test_a_tiny_run_of_the_script_writes_its_table_and_curves(tmp_path, capsys):
     path = tmp_path / "lm.json"
     args = ["--quick", "--methods", "adamw", "soap", "--seconds", "0.5", "--width", "16", "--depth",
-            "1", "--length", "8", "--batch-size", "4", "--save", str(path)]
+            "1", "--length", "8", "--batch-size", "4", "--rates", "soap=0.002", "--save", str(path)]
     assert lm.main(args) == 0
     out = capsys.readouterr().out
-    assert "| adamw | 0.001 |" in out and "| soap | 0.003 |" in out
+    assert "| adamw | 0.001 |" in out and "| soap | 0.002 |" in out
     saved = json.loads(path.read_text())
     for name in ("adamw", "soap"):
         curve = saved["curves"][name][0]
         assert len(curve["validation"]) == len(curve["steps"]) >= 2
         assert np.all(np.diff(curve["compiled"]) > 0)
+
+
+def test_given_rates_are_parsed_and_bad_ones_refused(capsys):
+    assert lm.parse_args(["--rates", "muon=0.1", "soap=0.01"]).rates == {"muon": 0.1, "soap": 0.01}
+    for argv, message in (
+        (["--rates", "kfac=0.1"], "'kfac' is not one of the methods with a rate"),
+        (["--rates", "muon=fast"], "write METHOD=RATE with a number, e.g. muon=0.01"),
+        (["--methods", "adamw", "--rates", "muon=0.1"], "'muon' is not one of the methods with a rate"),
+    ):
+        with pytest.raises(SystemExit):
+            lm.parse_args(argv)
+        assert message in capsys.readouterr().err
