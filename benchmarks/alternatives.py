@@ -59,7 +59,7 @@ from benchmarks.harness import (
     Run,
     best,
     ladder,
-    psgd_error,
+    usable,
     report,
     run_round,
 )
@@ -238,10 +238,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    methods = list(args.methods)
-    if "psgd" in methods and (error := psgd_error()) is not None:
-        print(f"psgd-jax's kron left out: {error}")
-        methods.remove("psgd")
+    methods = usable(args.methods)
     start = time.perf_counter()
     outcomes = []
     for name in args.problems:

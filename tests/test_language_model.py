@@ -161,3 +161,15 @@ def test_given_rates_are_parsed_and_bad_ones_refused(capsys):
         with pytest.raises(SystemExit):
             lm.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_a_seed_that_never_reaches_the_target_counts_as_latest_not_as_unknown():
+    # AdamW's target is the median of its finals, 1.5: seed 0 (final 1.6) never reaches it, the
+    # others do at 4.5 s and 2.5 s compiled; the median over the three is 4.5 s, not NaN.
+    repeats = {"adamw": [_trial([0, 4, 8], [3.0, 2.0, 1.6]), _trial([0, 4, 8], [3.0, 2.0, 1.5]),
+                         _trial([0, 4, 8], [3.0, 1.4, 1.4])]}
+    rows = lm.summarise(repeats, {"adamw": 2**20})
+    assert rows["adamw"]["reach_compiled"] == 4.5
+    repeats["adamw"][1] = _trial([0, 4, 8], [3.0, 2.0, 1.7])
+    assert np.isnan(lm.summarise(repeats, {"adamw": 2**20})["adamw"]["reach_compiled"])
+

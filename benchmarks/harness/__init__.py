@@ -33,6 +33,7 @@ from .methods import (
     make_optimizer as make_optimizer,
     make_step as make_step,
     psgd_error as psgd_error,
+    usable as usable,
 )
 from .outcome import Outcome as Outcome
 from .problem import Problem as Problem, full_batch as full_batch

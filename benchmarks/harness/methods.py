@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import io
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -74,6 +74,15 @@ def psgd_error() -> str | None:
     except Exception as error:  # noqa: BLE001 -- any import failure is reported, not raised
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def usable(names: Sequence[str]) -> list[str]:
+    """`names` without `"psgd"` when psgd-jax's `kron` cannot be used here (saying why)."""
+    names = list(names)
+    if "psgd" in names and (error := psgd_error()) is not None:
+        print(f"psgd-jax's kron left out: {error}")
+        names.remove("psgd")
+    return names
 
 
 def quiet(function: Callable, *args: Any, **kwargs: Any) -> Any:
