@@ -172,13 +172,11 @@ def tune(
 
     `method -> runs`, one per rate tried.
     """
-    grids = {method: [] for method in methods}
-    pending = [(method, lr) for method in methods for lr in initial_grid(method, max_grid)]
-    while pending:
-        for run in run_round(problem, [make_method(m, lr, kfac_options) for m, lr in pending], steps, 0):
-            grids[run.method].append(run)
-        pending = [(m, lr) for m in methods if (lr := extension(grids[m], max_grid)) is not None]
-    return grids
+    return ladder.tune(
+        {method: initial_grid(method, max_grid) for method in methods},
+        lambda pending: run_round(problem, [make_method(m, lr, kfac_options) for m, lr in pending], steps, 0),
+        lambda method, runs: extension(runs, max_grid),
+    )
 
 
 def run_problem(
@@ -221,16 +219,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the quick step budgets, one seed, the reference rates only")
     parser.add_argument("--steps", type=int, help="the step budget of every problem "
                         "(default: each problem's, see SETTINGS)")
-    parser.add_argument("--seeds", type=int, help="number of seeds (default 3, 1 with --quick)")
-    parser.add_argument("--max-grid", type=int,
-                        help="most learning rates per method (default 5, 1 with --quick)")
+    ladder.add_arguments(parser)
     parser.add_argument("--plots", help="write choosing_<problem>.png to this folder")
     parser.add_argument("--save", help="pickle the list of `Outcome`s (every run) to this file, after each problem")
     args = parser.parse_args(argv)
-    args.seeds = args.seeds or (1 if args.quick else 3)
-    args.max_grid = args.max_grid or (1 if args.quick else 5)
-    if args.max_grid == 2 or args.max_grid < 1:
-        parser.error("--max-grid is 1 (the reference rate) or at least 3 (it and its neighbours)")
+    ladder.settle_arguments(parser, args)
     if not set(args.methods) - set(KFAC_METHODS):
         parser.error("--methods needs a method other than kfac and recipe (the target)")
     return args

@@ -160,22 +160,18 @@ def tune(
     `given` runs at its given rate only)."""
     given = given or {}
 
-    def first(name: str) -> list[float | None]:
-        return [given[name]] if name in given else ladder.initial_grid(REFERENCE_LR.get(name), max_grid)
+    def run(pending: list[tuple[str, float | None]]) -> list[Trial]:
+        methods, rates = zip(*pending)
+        return _round(problem, methods, rates, [budgets[m] for m in methods], 0)
 
-    grids = {n: [] for n in names}
-    pending = [(n, r) for n in names for r in first(n)]
-    while pending:
-        trials = _round(problem, [n for n, _ in pending], [r for _, r in pending],
-                        [budgets[n] for n, _ in pending], 0)
-        for (name, _), trial in zip(pending, trials):
-            grids[name].append(trial)
-        pending = []
-        for name in (n for n in names if n not in given):
-            scores = {t.run.learning_rate: t.final for t in grids[name] if t.run.learning_rate is not None}
-            if (rate := ladder.extension(scores, max_grid)) is not None:
-                pending.append((name, rate))
-    return grids
+    def extend(name: str, trials: list[Trial]) -> float | None:
+        if name in given:
+            return None
+        scores = {t.run.learning_rate: t.final for t in trials if t.run.learning_rate is not None}
+        return ladder.extension(scores, max_grid)
+
+    first = {n: [given[n]] if n in given else ladder.initial_grid(REFERENCE_LR.get(n), max_grid) for n in names}
+    return ladder.tune(first, run, extend)
 
 
 def _best(trials: Sequence[Trial]) -> Trial:
@@ -284,8 +280,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--quick", action="store_true", help="60 s per method, one seed, reference rates")
     parser.add_argument("--seconds", type=float, help="compiled seconds per method (default 600, 60 with --quick)")
-    parser.add_argument("--seeds", type=int, help="number of seeds (default 3, 1 with --quick)")
-    parser.add_argument("--max-grid", type=int, help="most rates per method (default 5, 1 with --quick)")
+    ladder.add_arguments(parser)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--length", type=int, default=64, help="characters of context")
@@ -295,11 +290,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plots", help="write language_model.png to this folder")
     parser.add_argument("--save", help="write the summary and every seed's curves to this JSON file")
     args = parser.parse_args(argv)
-    args.seconds = args.seconds or (60.0 if args.quick else 600.0)
-    args.seeds = args.seeds or (1 if args.quick else 3)
-    args.max_grid = args.max_grid or (1 if args.quick else 5)
-    if args.max_grid == 2 or args.max_grid < 1:
-        parser.error("--max-grid is 1 (the reference rate) or at least 3 (it and its neighbours)")
+    if args.seconds is None:
+        args.seconds = 60.0 if args.quick else 600.0
+    if not args.seconds > 0:
+        parser.error(f"--seconds must be positive, got {args.seconds:g}")
+    ladder.settle_arguments(parser, args)
     args.rates = dict(_given_rate(parser, text, args.methods) for text in args.rates)
     return args
 

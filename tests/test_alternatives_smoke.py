@@ -155,3 +155,22 @@ def test_command_line_end_to_end(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| classifier | adam |" in out and "classifier: first adam" in out
     assert (tmp_path / "choosing_classifier.png").stat().st_size > 0
+
+
+def test_tune_runs_the_first_rates_together_then_the_extensions_round_by_round():
+    # A method whose score falls with the rate down to 1e-2 and rises after: its ladder from 1e-3
+    # extends upwards until the best rate is inside the grid.
+    rounds = []
+
+    def run(pending):
+        rounds.append(list(pending))
+        return [(rate, abs(np.log10(rate) + 2) if rate else 0.0) for _, rate in pending]
+
+    def extend(name, results):
+        return None if name == "kfac" else ladder.extension(dict(results), 5)
+
+    grids = ladder.tune({"adam": ladder.initial_grid(1e-3, 5), "kfac": [None]}, run, extend)
+    assert rounds == [[("adam", 3e-4), ("adam", 1e-3), ("adam", 3e-3), ("kfac", None)],
+                      [("adam", 1e-2)], [("adam", 3e-2)]]
+    assert [rate for rate, _ in grids["adam"]] == [3e-4, 1e-3, 3e-3, 1e-2, 3e-2]
+    assert grids["kfac"] == [(None, 0.0)]

@@ -157,6 +157,10 @@ def test_given_rates_are_parsed_and_bad_ones_refused(capsys):
         (["--rates", "kfac=0.1"], "'kfac' is not one of the methods with a rate"),
         (["--rates", "muon=fast"], "write METHOD=RATE with a number, e.g. muon=0.01"),
         (["--methods", "adamw", "--rates", "muon=0.1"], "'muon' is not one of the methods with a rate"),
+        # Zero is refused, not taken for "not given" (which would start a 4-hour run).
+        (["--seconds", "0"], "--seconds must be positive, got 0"),
+        (["--seeds", "0"], "--seeds must be at least 1, got 0"),
+        (["--max-grid", "0"], "--max-grid is 1 (the reference rate) or at least 3"),
     ):
         with pytest.raises(SystemExit):
             lm.parse_args(argv)
