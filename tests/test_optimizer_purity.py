@@ -221,7 +221,11 @@ def test_donating_step_equals_plain_step_and_consumes_its_arguments():
         # The first step (with its burn-in) keeps the state it was given, as documented: the
         # step returns it if it is skipped. Later steps consume it.
         assert state_leaf.is_deleted() == (i > 0)
-    _assert_trees_equal((params, state), expected)
+    # Two programs compiled apart: with donated buffers XLA may fuse and order the reductions
+    # differently (seen: the last bit of every weight after three steps), so not bitwise.
+    assert jax.tree.structure((params, state)) == jax.tree.structure(expected)
+    for x, y in zip(jax.tree.leaves((params, state)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=1e-300)
 
 
 def test_optimizer_holds_no_mutable_state():
