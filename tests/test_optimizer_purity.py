@@ -61,6 +61,14 @@ def _assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def _assert_trees_close(a, b, atol):
+    """Equal structures, leaves within 1e-12 relative (float64) or `atol`: two programs compiled
+    apart may order their reductions differently."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=atol)
+
+
 def test_step_inside_user_jit_equals_direct_call_and_compiles_once():
     state0 = OPT.init(PROBLEM.params, jax.random.key(0), BATCH)
     keys = [jax.random.key(i) for i in range(3)]
@@ -76,8 +84,7 @@ def test_step_inside_user_jit_equals_direct_call_and_compiles_once():
     params, state = PROBLEM.params, state0
     for key in keys:
         params, state, stats = user_step(params, state, key, BATCH)
-    for x, y in zip(jax.tree.leaves((params, state, stats)), jax.tree.leaves(direct)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=1e-15)
+    _assert_trees_close((params, state, stats), direct, atol=1e-15)
     assert int(state.step_counter) == 3
 
 
@@ -221,11 +228,8 @@ def test_donating_step_equals_plain_step_and_consumes_its_arguments():
         # The first step (with its burn-in) keeps the state it was given, as documented: the
         # step returns it if it is skipped. Later steps consume it.
         assert state_leaf.is_deleted() == (i > 0)
-    # Two programs compiled apart: with donated buffers XLA may fuse and order the reductions
-    # differently (seen: the last bit of every weight after three steps), so not bitwise.
-    assert jax.tree.structure((params, state)) == jax.tree.structure(expected)
-    for x, y in zip(jax.tree.leaves((params, state)), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=1e-300)
+    # With donated buffers XLA may fuse differently (seen: the last bit of every weight).
+    _assert_trees_close((params, state), expected, atol=1e-300)
 
 
 def test_optimizer_holds_no_mutable_state():
