@@ -16,6 +16,8 @@ same batches for the same number of steps:
 - `kfac`: `eqx_kfac.Optimizer` with adaptive learning rate, momentum and damping
   (`benchmarks.harness.make_optimizer`); it has no learning rate to tune.
 - `recipe`: `eqx_kfac.kfac_optax`, the optax K-FAC recipe.
+- `kfac_muon`: `eqx_kfac.kfac_optax(direction=eqx_kfac.KroneckerMuon(), momentum=None)`: Muon's
+  polar step in the geometry of the K-FAC factors.
 - `adam`: `optax.adam`.
 - `muon`: `optax.contrib.muon` (Newton-Schulz orthogonalised momentum on 2-D leaves, Adam on
   the others, the learning rate shared).
@@ -31,7 +33,7 @@ of the grid (a diverged run counts as the worst), the next rate beyond that end 
 Target and timing: the final loss is the mean training loss of the last 10 steps; a method
 reaches a loss at the first step whose mean over the last 10 steps (fewer at the start) is at or
 below it. The target of a problem and seed is the lowest final loss of the methods other than
-K-FAC's two forms (the best baseline). The runs of one round (one rate or seed of every method)
+K-FAC's forms (the best baseline). The runs of one round (one rate or seed of every method)
 advance one step each in turn (`benchmarks.harness.run_round`), so load from other processes falls
 on all methods alike. Seconds "from the first call" count building the optimizer and its state,
 the first step with its tracing and compilation, and the steps and batches after it; "compiled"
@@ -65,12 +67,13 @@ from benchmarks.harness import (
 )
 from benchmarks.model_zoo import tanh_mlp
 
-METHODS = ("kfac", "recipe", "adam", "muon", "sophia", "psgd")
+METHODS = ("kfac", "recipe", "kfac_muon", "adam", "muon", "sophia", "psgd")
 PROBLEMS = ("classifier", "autoencoder", "cnn", "transformer", "vmc_rule")
 # The documented starting points: optax's and Kingma & Ba's Adam 1e-3; Muon's reference
 # implementation 0.02 (rounded to the ladder); Sophia has no default in optax and is tuned like
-# AdamW in its paper; psgd-jax's default 1e-3; kfac_optax's default 0.1.
-REFERENCE_LR = {"recipe": 0.1, "adam": 1e-3, "muon": 0.03, "sophia": 1e-3, "psgd": 1e-3}
+# AdamW in its paper; psgd-jax's default 1e-3; kfac_optax's default 0.1; Muon in K-FAC's geometry
+# as Muon.
+REFERENCE_LR = {"recipe": 0.1, "kfac_muon": 0.03, "adam": 1e-3, "muon": 0.03, "sophia": 1e-3, "psgd": 1e-3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +120,11 @@ SETTINGS = {
 
 
 def make_method(name: str, learning_rate: float | None, kfac_options: dict) -> Method:
-    """The `Method` of one run: `kfac_options` go to K-FAC's two forms (`Optimizer`-only ones to
+    """The `Method` of one run: `kfac_options` go to K-FAC's forms (`Optimizer`-only ones to
     `"kfac"` alone)."""
     if name == "kfac":
         return Method(name, None, optimizer_options(kfac_options))
-    if name == "recipe":
+    if name in ("recipe", "kfac_muon"):
         return Method(name, learning_rate, {k: v for k, v in kfac_options.items() if k not in _OPTIMIZER_ONLY})
     return Method(name, learning_rate)
 

@@ -19,6 +19,8 @@ Methods (`METHODS`), all from the same initial parameters on the same batches:
   statistics every 5th step and its inverses every 25th (`KFAC_PERIODS`).
 - `eigen`: `eqx_kfac.kfac_optax(direction=eqx_kfac.EigenbasisAdam(), momentum=None)`: Adam's
   moments in the K-FAC eigenbasis (SOAP's step with K-FAC's factors), the same periods.
+- `kfac_muon`: `eqx_kfac.kfac_optax(direction=eqx_kfac.KroneckerMuon(), momentum=None)`: Muon's
+  orthogonalised momentum in the geometry of the K-FAC factors, the same periods.
 - `adamw`: `optax.adamw` with GPT-2's moments and decay (b2 0.95, weight decay 0.1).
 - `muon`: `optax.contrib.muon`.
 - `soap`, `shampoo`: written here from their papers (`benchmarks/harness/soap.py`, `shampoo.py`).
@@ -57,11 +59,11 @@ import eqx_kfac
 from benchmarks.harness import ladder, make_step, Method, Problem, Run, run_round, usable
 from benchmarks.model_zoo import gpt
 
-METHODS = ("kfac", "recipe", "eigen", "adamw", "muon", "soap", "shampoo", "psgd")
+METHODS = ("kfac", "recipe", "eigen", "kfac_muon", "adamw", "muon", "soap", "shampoo", "psgd")
 # The documented starting points: kfac_optax's default 0.1; SOAP's paper 3e-3 (also for Adam in
 # the K-FAC eigenbasis); GPT-2-style AdamW 1e-3; Muon's reference 0.02 (rounded up to the ladder);
-# Shampoo grafted on Adam and PSGD-Kron (psgd-jax's default) 1e-3.
-REFERENCE_LR = {"recipe": 0.1, "eigen": 3e-3, "adamw": 1e-3, "muon": 0.03, "soap": 3e-3,
+# Shampoo grafted on Adam and PSGD-Kron (psgd-jax's default) 1e-3; Muon in K-FAC's geometry as Muon.
+REFERENCE_LR = {"recipe": 0.1, "eigen": 3e-3, "kfac_muon": 0.03, "adamw": 1e-3, "muon": 0.03, "soap": 3e-3,
                 "shampoo": 1e-3, "psgd": 1e-3}
 # kfac_optax's two forms fold the statistics in every 5th step and refresh the inverses every
 # 25th: on this model (the defaults: width 128, 50 steps) that made the step 1.5x cheaper
@@ -85,6 +87,7 @@ def make_method(name: str, learning_rate: float | None, steps: int) -> Method:
     options = dict(
         recipe=KFAC_PERIODS,
         eigen=dict(direction=eqx_kfac.EigenbasisAdam(b1=0.95, b2=0.95), momentum=None, **KFAC_PERIODS),
+        kfac_muon=KFAC_PERIODS,
         adamw=dict(b2=0.95, weight_decay=0.1),
     ).get(name, {})
     return Method("recipe" if name == "eigen" else name, learning_rate, options, warmup_cosine(steps))

@@ -158,6 +158,10 @@ from ._optim.eigenbasis_adam import (
     EigenbasisAdam as EigenbasisAdam,
     EigenbasisAdamState as EigenbasisAdamState,
 )
+from ._optim.kronecker_muon import (
+    KroneckerMuon as KroneckerMuon,
+    KroneckerMuonState as KroneckerMuonState,
+)
 from ._optim.guard import (
     check_consecutive_faults as check_consecutive_faults,
     GuardDecision as GuardDecision,

@@ -90,6 +90,7 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
     assert lm.make_method("kfac", None, 100).schedule is None
     eigen = lm.make_method("eigen", 3e-3, 100)
     assert eigen.name == "recipe" and isinstance(eigen.options["direction"], eqx_kfac.EigenbasisAdam)
+    assert lm.make_method("kfac_muon", 0.03, 100).options == lm.KFAC_PERIODS
     with pytest.raises(ValueError, match="adapted rate"):
         Method("kfac", None, schedule=lm.warmup_cosine(10))
 

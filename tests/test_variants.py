@@ -15,7 +15,7 @@ from doc_pages import run_page
 @pytest.fixture(scope="module")
 def page():
     """The namespace after executing every Python block of the page, in order."""
-    return run_page("variants.md", blocks=8)
+    return run_page("variants.md", blocks=9)
 
 
 def _losses(history):
@@ -35,7 +35,7 @@ def test_every_variant_trains_on_both_paths(page):
     for name in ("trust_region_history", "nesterov_history", "layerwise_history", "soap_history"):
         losses = _losses(page[name])
         assert losses[-1] < 0.7 * losses[0], name
-    for name in ("nesterov_optax_losses", "layerwise_optax_losses", "soap_optax_losses"):
+    for name in ("nesterov_optax_losses", "layerwise_optax_losses", "soap_optax_losses", "kfac_muon_losses"):
         losses = np.array([float(v) for v in page[name]])
         assert losses[-1] < 0.7 * losses[0], name
 
@@ -45,6 +45,11 @@ def test_the_soap_state_counts_the_applied_steps(page):
     applied = sum(not bool(s["skipped"]) and not bool(s["rejected"]) for s in history)
     assert int(state.direction_state.count) == applied == len(history)
     assert isinstance(state.direction_state, eqx_kfac.EigenbasisAdamState)
+
+
+def test_kfac_muon_keeps_its_momentum_in_its_state(page):
+    state = page["kfac_muon_state"].inner_state[0].direction_state
+    assert isinstance(state, eqx_kfac.KroneckerMuonState) and int(state.count) == len(page["kfac_muon_losses"])
 
 
 def test_nesterov_step_looks_ahead_along_the_momentum(page):

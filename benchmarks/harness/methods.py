@@ -11,13 +11,16 @@ batch's `loss` (and K-FAC's step statistics):
   would slow the steps of the runs it alternates with.
 - `"recipe"`: `eqx_kfac.kfac_optax(loss, example_args, learning_rate)` (K-FAC preconditioning, a
   norm constraint, momentum); `learning_rate=None` takes its default.
+- `"kfac_muon"`: `eqx_kfac.kfac_optax(loss, example_args, learning_rate,
+  direction=eqx_kfac.KroneckerMuon(), momentum=None)`: Muon's polar step in the geometry of the
+  K-FAC factors (`options` may give another `direction`).
 - an optax transform of `OPTAX` (`adam`, `adamw`, `adabelief`, `sgd`, `muon`, `sophia`, `psgd`,
   `soap` (`soap.py`), `shampoo` (Shampoo with Adam grafting, `shampoo.py`)), built as
   `OPTAX[name](learning_rate, **options)`. Sophia's update takes the objective (`obj_fn`, the
   batch's loss).
 
 `Method.options` are keywords of `Optimizer` for `"kfac"` (its parts, e.g. `damping_rule=`), of
-`kfac_optax` for `"recipe"`, of the optax transform otherwise.
+`kfac_optax` for `"recipe"` and `"kfac_muon"`, of the optax transform otherwise.
 """
 
 import contextlib
@@ -38,15 +41,17 @@ from .problem import Problem
 from .shampoo import shampoo
 from .soap import soap
 
-# K-FAC's forms (`Optimizer`, with a warm start, `kfac_optax`).
-KFAC_METHODS = ("kfac", "warm", "recipe")
+# K-FAC's forms (`Optimizer`, with a warm start, `kfac_optax`, `kfac_optax` with `KroneckerMuon`).
+KFAC_METHODS = ("kfac", "warm", "recipe", "kfac_muon")
+# The `kfac_optax` keywords of each of its forms.
+KFAC_OPTAX = {"recipe": {}, "kfac_muon": dict(direction=eqx_kfac.KroneckerMuon(), momentum=None)}
 # The methods whose step compiles itself (`Optimizer.step`, which its docs say to call directly):
 # the loop calls it as it is, where it jits the others' steps.
 SELF_COMPILING = ("kfac", "warm")
 # The XLA compiler options of the jit around each other method's step, as each library's docs
 # advise: `kfac_optax`'s jit takes `eqx_kfac.COMPILER_OPTIONS` (Triton's GEMM autotuning off on a
 # GPU, ignored elsewhere), the optax baselines XLA's defaults.
-JIT_COMPILER_OPTIONS = {"recipe": dict(eqx_kfac.COMPILER_OPTIONS)}
+JIT_COMPILER_OPTIONS = {name: dict(eqx_kfac.COMPILER_OPTIONS) for name in KFAC_OPTAX}
 # The step statistics of `Optimizer` a run keeps.
 KFAC_STATS = ("learning_rate", "momentum", "damping", "skipped", "rejected")
 
@@ -116,7 +121,7 @@ class Method:
 
     **Fields:**
 
-    - `name`: `"kfac"`, `"recipe"` or a key of `OPTAX`.
+    - `name`: one of `KFAC_METHODS` or a key of `OPTAX`.
     - `learning_rate`: the learning rate (`None` for `"kfac"`, and for `"recipe"` at its default).
     - `options`: keywords for the optimizer (see the module docstring).
     - `schedule`: `schedule(learning_rate) -> optax schedule`, given to the optimizer in place of
@@ -241,10 +246,11 @@ def make_step(problem: Problem, method: Method, batch: Any) -> tuple[Callable, A
     """
     if method.name in ("kfac", "warm"):
         return _kfac(problem, batch, method.options)
-    if method.name == "recipe":
+    if method.name in KFAC_OPTAX:
         example = problem.args(problem.model, problem.func_state, jax.random.key(0), batch)
         rate = {} if method.learning_rate is None else {"learning_rate": method.rate}
-        transform = eqx_kfac.kfac_optax(problem.loss, example, **rate, **method.options)
+        options = KFAC_OPTAX[method.name] | dict(method.options)
+        transform = eqx_kfac.kfac_optax(problem.loss, example, **rate, **options)
         return _optax(problem, transform, objective=False, kfac=True)
     transform = OPTAX[method.name](method.rate, **method.options)
     return _optax(problem, transform, objective=method.name in _NEEDS_OBJECTIVE, kfac=False)

@@ -14,7 +14,7 @@ from .methods import KFAC_METHODS
 from .outcome import Outcome
 from .record import WINDOW
 
-COLORS = {"kfac": "tab:green", "recipe": "tab:olive", "adam": "tab:blue", "muon": "tab:red",
+COLORS = {"kfac": "tab:green", "recipe": "tab:olive", "kfac_muon": "tab:pink", "adam": "tab:blue", "muon": "tab:red",
           "sophia": "tab:purple", "psgd": "tab:brown", "adamw": "tab:blue", "adabelief": "tab:cyan",
           "sgd": "tab:orange"}
 

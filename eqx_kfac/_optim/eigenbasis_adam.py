@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._curvature.blocks import CurvatureBlock, KroneckerFactored, KroneckerState
-from .._curvature.operators.kronecker_powers import kronecker_eigh
+from .._curvature.operators.kronecker_powers import kronecker_eigh, KroneckerEigh
 from .._curvature.operators.structured import apply_factors
 from .direction import AbstractDirection, DirectionOutcome
 
@@ -38,6 +38,15 @@ class EigenbasisAdamState(eqx.Module):
     second_moment: BlocksVectors
 
 
+def slice_eigh(block: KroneckerFactored, state: KroneckerState, use_cached: bool) -> KroneckerEigh:
+    """The eigendecompositions of one slice's factors: the cached ones when `use_cached` and
+    eigenvectors are cached, else computed from the current factors."""
+    cache = state.cache.eigh
+    if use_cached and cache.eigenvectors is not None:
+        return KroneckerEigh(cache.eigenvalues, cache.eigenvectors)
+    return kronecker_eigh(block._kronecker_factors(state))
+
+
 def _rotated(
     block: CurvatureBlock, state: eqx.Module, vectors: tuple[tuple[Array, ...], ...], back: bool,
     use_cached: bool,
@@ -49,11 +58,7 @@ def _rotated(
         return vectors
 
     def one_slice(state: KroneckerState, *vectors: tuple[Array, ...]) -> tuple[tuple[Array, ...], ...]:
-        cached = state.cache.eigh.eigenvectors
-        if use_cached and cached is not None:
-            bases = cached
-        else:
-            bases = kronecker_eigh(block._kronecker_factors(state)).eigenvectors
+        bases = slice_eigh(block, state, use_cached).eigenvectors
         bases = bases if back else tuple(q.T for q in bases)
         return tuple(
             block._array_to_params(apply_factors(bases, block._params_to_array(v))) for v in vectors

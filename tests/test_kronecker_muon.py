@@ -1,0 +1,189 @@
+"""`KroneckerMuon`, Muon in K-FAC's geometry, on both paths (`Optimizer` and `kfac_optax`):
+
+- with an exact (SVD) polar factor, its steps equal the dense formula
+  `-lr A_δ^{-p} polar(A_δ^{-p} M G_δ^{-p}) G_δ^{-p}` computed in NumPy/SciPy from the estimator's
+  factors (fractional matrix powers, not the eigenbasis the direction works in);
+- at power 0 with Muon's Newton-Schulz iteration, its steps equal `optax.contrib.muon`'s, on a
+  model with an embedding (a 2-D table outside a Kronecker block), bias-free dense layers and a
+  LayerNorm (Adam's parameters).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.linalg
+
+import eqx_kfac
+
+from test_parts_both_paths import (
+    _assert_same_models, _assert_steps, _factors, _from_array, _gradient, _split, _to_array,
+    BATCH, CURVATURE, EVERY_OTHER_STEP, LAYERS, LR, MODEL, loss_fn, optax_step, run_optax, run_optimizer,
+    STEPS,
+)
+
+BETA, DELTA, POWER = 0.9, 0.3, 0.5
+
+
+def svd_polar(matrix):
+    u, _, vt = jnp.linalg.svd(matrix, full_matrices=False)
+    return u @ vt
+
+
+def _np_polar(matrix: np.ndarray) -> np.ndarray:
+    u, _, vt = np.linalg.svd(matrix, full_matrices=False)
+    return u @ vt
+
+
+def _whitener(factor: np.ndarray) -> np.ndarray:
+    """`((F / mean eigenvalue + δ I) / (1 + δ))^(-p)` by SciPy's fractional matrix power."""
+    normalised = factor / (np.trace(factor) / len(factor))
+    damped = (normalised + DELTA * np.eye(len(factor))) / (1 + DELTA)
+    return np.real(scipy.linalg.fractional_matrix_power(damped, -POWER))
+
+
+def _muon_deltas(run) -> list[np.ndarray]:
+    """The steps by the dense formula: Nesterov's momentum of the canonical gradient (bias-corrected
+    as `optax.contrib.scale_by_muon`), whitened by the factors of the last refresh, its exact polar
+    factor with Muon's width scale, whitened again."""
+    momentum = [np.zeros((n_in + 1, n_out)) for n_in, n_out in LAYERS]
+    deltas = []
+    for k in range(STEPS):
+        refreshed = run.states[k - k % 2 + 1].estimator_state.block_states
+        t, pieces = k + 1, []
+        for b, (g, (n_in, n_out), block_state) in enumerate(zip(_split(_gradient(run.models[k])), LAYERS, refreshed)):
+            g = _to_array(g, n_in, n_out)
+            momentum[b] = BETA * momentum[b] + (1 - BETA) * g
+            aimed = BETA * momentum[b] / (1 - BETA ** (t + 1)) + (1 - BETA) * g / (1 - BETA**t)
+            w_a, w_g = (_whitener(f) for f in _factors(block_state))
+            u = w_a @ _np_polar(w_a @ aimed @ w_g) @ w_g * max(1.0, n_out / (n_in + 1)) ** 0.5
+            pieces.append(_from_array(-LR * u, n_in, n_out))
+        deltas.append(np.concatenate(pieces))
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def exact_runs():
+    direction = eqx_kfac.KroneckerMuon(beta=BETA, damping=DELTA, power=POWER, orthogonalize=svd_polar)
+    run = run_optimizer(refresh=EVERY_OTHER_STEP, direction=direction, momentum=0.0)
+    on_optax = run_optax(eqx_kfac.kfac_optax(
+        loss_fn, (MODEL, BATCH), learning_rate=LR, momentum=None, curvature=CURVATURE,
+        refresh=EVERY_OTHER_STEP, direction=direction,
+    ))
+    return run, on_optax
+
+
+def test_kronecker_muon_is_the_steepest_direction_in_the_factors_spectral_norm(exact_runs):
+    run, on_optax = exact_runs
+    _assert_steps(run, _muon_deltas(run))
+    _assert_same_models(run, on_optax)
+    state = run.states[-1].direction_state
+    assert isinstance(state, eqx_kfac.KroneckerMuonState) and int(state.count) == STEPS
+
+
+def test_kronecker_muon_keeps_its_momentum_on_a_skipped_step(exact_runs):
+    _, on_optax = exact_runs
+    bad = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
+    _, opt_state = optax_step(on_optax.runner, on_optax.models[-1], on_optax.states[-1], batch=bad)
+    before, after = on_optax.states[-1].inner_state[0].direction_state, opt_state.inner_state[0].direction_state
+    assert int(after.count) == int(before.count) == STEPS
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# --- power 0: Muon ---------------------------------------------------------------------------
+
+
+class Tagger(eqx.Module):
+    """Token ids to two outputs: an embedding, bias-free dense layers around a LayerNorm."""
+
+    embedding: eqx.nn.Embedding
+    first: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+    second: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        self.embedding = eqx.nn.Embedding(7, 4, key=keys[0])
+        self.first = eqx.nn.Linear(4, 9, use_bias=False, key=keys[1])
+        self.norm = eqx.nn.LayerNorm(9)
+        self.second = eqx.nn.Linear(9, 2, use_bias=False, key=keys[2])
+
+    def __call__(self, token):
+        return self.second(self.norm(jnp.tanh(self.first(self.embedding(token)))))
+
+
+TAGGER = Tagger(jax.random.key(5))
+TOKENS = (jax.random.randint(jax.random.key(6), (16,), 0, 7), jax.random.normal(jax.random.key(7), (16, 2)))
+
+
+def _dimension_numbers(model):
+    """Which axes optax's Muon reads as (fan-in, fan-out): Equinox's `Linear` stores `(out, in)`."""
+    numbers = jax.tree.map(lambda _: None, eqx.filter(model, eqx.is_inexact_array))
+    return eqx.tree_at(
+        lambda m: (m.embedding.weight, m.first.weight, m.second.weight), numbers,
+        (optax.contrib.MuonDimensionNumbers(0, 1), optax.contrib.MuonDimensionNumbers(1, 0),
+         optax.contrib.MuonDimensionNumbers(1, 0)),
+        is_leaf=lambda x: x is None,
+    )
+
+
+def tagger_loss(model, batch):
+    prediction = jax.vmap(model)(batch[0])
+    eqx_kfac.register_squared_error_loss(prediction, batch[1])
+    return jnp.mean(jnp.sum((prediction - batch[1]) ** 2, axis=-1))
+
+
+def _run(update, opt_state, model=TAGGER, steps=STEPS):
+    models = [model]
+    for i in range(steps):
+        loss, grads = eqx.filter_value_and_grad(tagger_loss)(model, TOKENS)
+        updates, opt_state = update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array), loss, i)
+        model = eqx.apply_updates(model, updates)
+        models.append(model)
+    return models
+
+
+def test_kronecker_muon_at_power_zero_is_optax_muon():
+    direction = eqx_kfac.KroneckerMuon(power=0.0)
+    muon = optax.contrib.muon(LR, muon_weight_dimension_numbers=_dimension_numbers)
+    reference = _run(lambda g, s, p, loss, i: muon.update(g, s, p), muon.init(eqx.filter(TAGGER, eqx.is_inexact_array)))
+    transform = eqx_kfac.kfac_optax(
+        tagger_loss, (TAGGER, TOKENS), learning_rate=LR, momentum=None, curvature=CURVATURE,
+        refresh=EVERY_OTHER_STEP, direction=direction,
+    )
+    opt_state = transform.init(eqx.filter(TAGGER, eqx.is_inexact_array))
+    # The dense layers are Kronecker blocks (whitened, then not at power 0), the rest are not.
+    block_states = opt_state.inner_state[0].estimator_state.block_states
+    assert [type(s).__name__ for s in block_states] == ["EmbeddingState", "KroneckerState", "DiagonalState", "KroneckerState"]
+    on_optax = _run(
+        lambda g, s, p, loss, i: transform.update(g, s, p, batch=TOKENS, key=jax.random.key(i), value=loss),
+        opt_state,
+    )
+    optimizer = eqx_kfac.Optimizer(
+        eqx.filter_value_and_grad(tagger_loss), curvature=CURVATURE, refresh=EVERY_OTHER_STEP,
+        direction=direction, step_rule=eqx_kfac.MomentumStep(), damping_rule=eqx_kfac.GivenDamping(),
+    )
+    model, state = TAGGER, optimizer.init(TAGGER, jax.random.key(3), TOKENS)
+    on_optimizer = [model]
+    for i in range(STEPS):
+        model, state, _ = optimizer.step(
+            model, state, jax.random.key(i), batch=TOKENS, learning_rate=LR, momentum=0.0, damping=0.1
+        )
+        on_optimizer.append(model)
+    for models in (on_optax, on_optimizer):
+        for got, want in zip(models, reference, strict=True):
+            for x, y in zip(jax.tree.leaves(eqx.filter(got, eqx.is_inexact_array)),
+                            jax.tree.leaves(eqx.filter(want, eqx.is_inexact_array)), strict=True):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("beta", 1.0, "beta must be in"), ("damping", 0.0, "damping must be > 0"), ("power", -0.5, "power must be >= 0")],
+)
+def test_kronecker_muon_checks_its_fields(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        eqx_kfac.KroneckerMuon(**{field: value})
