@@ -228,7 +228,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     ladder.settle_arguments(parser, args)
     if not set(args.methods) - set(KFAC_METHODS):
-        parser.error("--methods needs a method other than kfac and recipe (the target)")
+        parser.error(f"--methods needs a method other than K-FAC's forms {KFAC_METHODS} (the target)")
     return args
 
 
