@@ -17,7 +17,8 @@ same batches for the same number of steps:
   (`benchmarks.harness.make_optimizer`); it has no learning rate to tune.
 - `recipe`: `eqx_kfac.kfac_optax`, the optax K-FAC recipe.
 - `kfac_muon`: `eqx_kfac.kfac_optax(direction=eqx_kfac.KroneckerMuon(), momentum=None)`: Muon's
-  polar step in the geometry of the K-FAC factors.
+  polar step in the geometry of the K-FAC factors, its statistics every 10th step and its
+  eigendecompositions every 50th (`benchmarks.harness.methods.KFAC_OPTAX`).
 - `adam`: `optax.adam`.
 - `muon`: `optax.contrib.muon` (Newton-Schulz orthogonalised momentum on 2-D leaves, Adam on
   the others, the learning rate shared).

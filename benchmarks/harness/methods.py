@@ -12,8 +12,9 @@ batch's `loss` (and K-FAC's step statistics):
 - `"recipe"`: `eqx_kfac.kfac_optax(loss, example_args, learning_rate)` (K-FAC preconditioning, a
   norm constraint, momentum); `learning_rate=None` takes its default.
 - `"kfac_muon"`: `eqx_kfac.kfac_optax(loss, example_args, learning_rate,
-  direction=eqx_kfac.KroneckerMuon(), momentum=None)`: Muon's polar step in the geometry of the
-  K-FAC factors (`options` may give another `direction`).
+  direction=eqx_kfac.KroneckerMuon(), momentum=None, curvature_update_period=10,
+  inverse_update_period=50)`: Muon's polar step in the geometry of the K-FAC factors, its
+  statistics every 10th step and its eigendecompositions every 50th (`options` may give others).
 - an optax transform of `OPTAX` (`adam`, `adamw`, `adabelief`, `sgd`, `muon`, `sophia`, `psgd`,
   `soap` (`soap.py`), `shampoo` (Shampoo with Adam grafting, `shampoo.py`)), built as
   `OPTAX[name](learning_rate, **options)`. Sophia's update takes the objective (`obj_fn`, the
@@ -44,7 +45,14 @@ from .soap import soap
 # K-FAC's forms (`Optimizer`, with a warm start, `kfac_optax`, `kfac_optax` with `KroneckerMuon`).
 KFAC_METHODS = ("kfac", "warm", "recipe", "kfac_muon")
 # The `kfac_optax` keywords of each of its forms.
-KFAC_OPTAX = {"recipe": {}, "kfac_muon": dict(direction=eqx_kfac.KroneckerMuon(), momentum=None)}
+# `kfac_muon`'s periods: on alternatives.py's transformer (seed 0, 150 steps, rate 0.01) every
+# 10th and 50th step made the step 110 ms against 170 ms with kfac_optax's 1 and 5 (Muon: 105 ms)
+# for a final loss 0.025 against 0.036.
+KFAC_OPTAX = {
+    "recipe": {},
+    "kfac_muon": dict(direction=eqx_kfac.KroneckerMuon(), momentum=None, curvature_update_period=10,
+                      inverse_update_period=50),
+}
 # The methods whose step compiles itself (`Optimizer.step`, which its docs say to call directly):
 # the loop calls it as it is, where it jits the others' steps.
 SELF_COMPILING = ("kfac", "warm")
