@@ -18,7 +18,7 @@ same batches for the same number of steps:
 - `recipe`: `eqx_kfac.kfac_optax`, the optax K-FAC recipe.
 - `kfac_muon`: `eqx_kfac.kfac_optax(direction=eqx_kfac.KroneckerMuon(), momentum=None)`: Muon's
   polar step in the geometry of the K-FAC factors, its statistics every 10th step and its
-  eigendecompositions every 50th (`benchmarks.harness.methods.KFAC_OPTAX`).
+  eigendecompositions every 50th (`benchmarks.harness.KFAC_OPTAX`).
 - `adam`: `optax.adam`.
 - `muon`: `optax.contrib.muon` (Newton-Schulz orthogonalised momentum on 2-D leaves, Adam on
   the others, the learning rate shared).
@@ -55,6 +55,7 @@ import eqx_kfac
 from benchmarks import model_zoo
 from benchmarks.harness import (
     KFAC_METHODS,
+    KFAC_OPTAX,
     WINDOW,
     Method,
     Outcome,
@@ -125,7 +126,7 @@ def make_method(name: str, learning_rate: float | None, kfac_options: dict) -> M
     `"kfac"` alone)."""
     if name == "kfac":
         return Method(name, None, optimizer_options(kfac_options))
-    if name in ("recipe", "kfac_muon"):
+    if name in KFAC_OPTAX:
         return Method(name, learning_rate, {k: v for k, v in kfac_options.items() if k not in _OPTIMIZER_ONLY})
     return Method(name, learning_rate)
 

@@ -27,6 +27,7 @@ from .data import (
 from .loop import first_call as first_call, run_round as run_round, train as train
 from .methods import (
     KFAC_METHODS as KFAC_METHODS,
+    KFAC_OPTAX as KFAC_OPTAX,
     OPTAX as OPTAX,
     RECOMMENDED_KFAC_JAX_KEYWORDS as RECOMMENDED_KFAC_JAX_KEYWORDS,
     Method as Method,
