@@ -20,7 +20,8 @@ Methods (`METHODS`), all from the same initial parameters on the same batches:
 - `eigen`: `eqx_kfac.kfac_optax(direction=eqx_kfac.EigenbasisAdam(), momentum=None)`: Adam's
   moments in the K-FAC eigenbasis (SOAP's step with K-FAC's factors), the same periods.
 - `kfac_muon`: `eqx_kfac.kfac_optax(direction=eqx_kfac.KroneckerMuon(), momentum=None)`: Muon's
-  orthogonalised momentum in the geometry of the K-FAC factors, the same periods.
+  orthogonalised momentum in the geometry of the K-FAC factors, with the harness's periods
+  (`benchmarks.harness.KFAC_OPTAX`: statistics every 10th step, eigendecompositions every 50th).
 - `adamw`: `optax.adamw` with GPT-2's moments and decay (b2 0.95, weight decay 0.1).
 - `muon`: `optax.contrib.muon`.
 - `soap`, `shampoo`: written here from their papers (`benchmarks/harness/soap.py`, `shampoo.py`).
@@ -28,12 +29,20 @@ Methods (`METHODS`), all from the same initial parameters on the same batches:
 
 Budgets and schedules: every method gets the same compiled seconds (`--seconds`). A calibration
 round measures each method's mean step time (its batches included) over `CALIBRATION_STEPS`
-steps; its step budget is the seconds over that time. Every method with a rate follows the same
+steps, or over one whole period of its refreshes where that is longer (a step that takes the
+statistics or refreshes the inverses costs more than the others); its step budget is the seconds
+over that time. Every method with a rate follows the same
 schedule over its own budget: a linear warmup over the first `WARMUP` of the steps to the peak
 rate, then a cosine decay to a tenth of it. The peak rate is tuned on seed 0 by one rule for every
 method (`benchmarks.harness.ladder`: the reference rate `REFERENCE_LR` and its two neighbours,
-extended while the best final validation loss is at an end, up to `--max-grid` rates); the other
-seeds reuse it. The runs of a round advance one step each in turn, so load falls on all alike.
+extended while the best final validation loss is at an end, up to `--max-grid` rates), at the
+budget of `--tune-seconds` (default: `--seconds`, when the tuned runs are seed 0's runs); the other
+seeds, and seed 0 when the budgets differ, reuse it. The runs of a round advance one step each in
+turn, so load falls on all alike.
+
+A default run takes hours: with `--journal FILE` every finished calibration and round is kept in
+FILE (`benchmarks.harness.journal`), and the same command run again skips what is there (a change
+of the methods' code is not seen: start a new file then).
 
 Measured: the validation loss (`EVALUATIONS` times per run, outside the timed work) against steps,
 compiled seconds and seconds from the first call (building the optimizer, tracing and compiling
@@ -56,7 +65,8 @@ import numpy as np
 import optax
 
 import eqx_kfac
-from benchmarks.harness import ladder, make_step, Method, Problem, Run, run_round, usable
+from benchmarks.harness import KFAC_OPTAX, ladder, make_step, Method, Problem, Run, run_round, usable
+from benchmarks.harness.journal import Journal, record_from_json, record_to_json
 from benchmarks.model_zoo import gpt
 
 METHODS = ("kfac", "recipe", "eigen", "kfac_muon", "adamw", "muon", "soap", "shampoo", "psgd")
@@ -87,7 +97,6 @@ def make_method(name: str, learning_rate: float | None, steps: int) -> Method:
     options = dict(
         recipe=KFAC_PERIODS,
         eigen=dict(direction=eqx_kfac.EigenbasisAdam(b1=0.95, b2=0.95), momentum=None, **KFAC_PERIODS),
-        kfac_muon=KFAC_PERIODS,
         adamw=dict(b2=0.95, weight_decay=0.1),
     ).get(name, {})
     return Method("recipe" if name == "eigen" else name, learning_rate, options, warmup_cosine(steps))
@@ -145,27 +154,41 @@ def _round(
     return [Trial(n, run, *entry) for n, run, entry in zip(names, runs, log)]
 
 
-def calibrate(problem: Problem, names: Sequence[str], seconds: float) -> dict[str, int]:
-    """Each method's step budget: `seconds` over its mean step time (batches included) in a round
-    of `CALIBRATION_STEPS` steps at its reference rate."""
+def calibration_steps(method: Method) -> int:
+    """`CALIBRATION_STEPS`, or one whole refresh period of the method after its first two steps
+    where that is longer."""
+    options = KFAC_OPTAX.get(method.name, {}) | dict(method.options)
+    return max(CALIBRATION_STEPS, 2 + options.get("inverse_update_period", 0))
+
+
+def calibrate(problem: Problem, names: Sequence[str]) -> dict[str, float]:
+    """Each method's mean step time (batches included; its first two steps left out) in one round
+    at its reference rate, over `calibration_steps`."""
     rates = [REFERENCE_LR.get(n) for n in names]
-    runs = run_round(problem, [make_method(n, r, CALIBRATION_STEPS) for n, r in zip(names, rates)],
-                     CALIBRATION_STEPS)
-    step = {n: float(np.mean(r.times[1:] + r.batch_times[1 : len(r.times)])) for n, r in zip(names, runs)}
-    return {n: max(CALIBRATION_STEPS, int(seconds / step[n])) for n in names}
+    steps = [calibration_steps(make_method(n, r, 1)) for n, r in zip(names, rates)]
+    runs = run_round(problem, [make_method(n, r, s) for n, r, s in zip(names, rates, steps)], steps)
+    return {n: float(np.mean(r.times[1:] + r.batch_times[1:])) for n, r in zip(names, runs)}
+
+
+def step_budgets(step_seconds: dict[str, float], seconds: float) -> dict[str, int]:
+    """Each method's step budget: `seconds` over its step time (at least `CALIBRATION_STEPS`)."""
+    return {n: max(CALIBRATION_STEPS, int(seconds / t)) for n, t in step_seconds.items()}
+
+
+Play = Callable[[Sequence[str], Sequence[float | None], Sequence[int], int], list[Trial]]
 
 
 def tune(
-    problem: Problem, names: Sequence[str], budgets: dict[str, int], max_grid: int,
+    play: Play, names: Sequence[str], budgets: dict[str, int], max_grid: int,
     given: dict[str, float] | None = None,
 ) -> dict[str, list[Trial]]:
     """Every method's rate ladder on seed 0, scored by the final validation loss (a method in
-    `given` runs at its given rate only)."""
+    `given` runs at its given rate only); `play(names, rates, budgets, seed)` trains a round."""
     given = given or {}
 
     def run(pending: list[tuple[str, float | None]]) -> list[Trial]:
         methods, rates = zip(*pending)
-        return _round(problem, methods, rates, [budgets[m] for m in methods], 0)
+        return play(methods, rates, [budgets[m] for m in methods], 0)
 
     def extend(name: str, trials: list[Trial]) -> float | None:
         if name in given:
@@ -175,6 +198,23 @@ def tune(
 
     first = {n: [given[n]] if n in given else ladder.initial_grid(REFERENCE_LR.get(n), max_grid) for n in names}
     return ladder.tune(first, run, extend)
+
+
+def journaled(journal: Journal, settings: dict, problem: Callable[[int], Problem]) -> Play:
+    """`_round` on `problem(seed)`, each round kept in `journal` under its methods, rates, budgets,
+    seed and `settings`, and taken from it when there."""
+
+    def play(names, rates, budgets, seed):
+        key = Journal.key(round=seed, names=list(names), rates=list(rates), budgets=list(budgets), **settings)
+        if (done := journal.get(key)) is not None:
+            print(f"seed {seed}: {', '.join(names)} taken from the journal", flush=True)
+            return [Trial(t["name"], record_from_json(t["run"]), t["steps"], t["evaluated"]) for t in done]
+        trials = _round(problem(seed), names, rates, budgets, seed)
+        journal.put(key, [dict(name=t.name, run=record_to_json(t.run), steps=t.steps, evaluated=t.evaluated)
+                          for t in trials])
+        return trials
+
+    return play
 
 
 def _best(trials: Sequence[Trial]) -> Trial:
@@ -292,11 +332,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="peak rates to use as given, without tuning (e.g. muon=0.1 soap=0.01)")
     parser.add_argument("--plots", help="write language_model.png to this folder")
     parser.add_argument("--save", help="write the summary and every seed's curves to this JSON file")
+    parser.add_argument("--tune-seconds", type=float,
+                        help="compiled seconds of the rate ladder's runs on seed 0 (default: --seconds)")
+    parser.add_argument("--journal", help="keep finished work in this JSON-lines file and skip what it holds")
     args = parser.parse_args(argv)
     if args.seconds is None:
         args.seconds = 60.0 if args.quick else 600.0
-    if not args.seconds > 0:
-        parser.error(f"--seconds must be positive, got {args.seconds:g}")
+    if args.tune_seconds is None:
+        args.tune_seconds = args.seconds
+    for flag, seconds in (("--seconds", args.seconds), ("--tune-seconds", args.tune_seconds)):
+        if not seconds > 0:
+            parser.error(f"{flag} must be positive, got {seconds:g}")
     ladder.settle_arguments(parser, args)
     args.rates = dict(_given_rate(parser, text, args.methods) for text in args.rates)
     return args
@@ -322,16 +368,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return gpt.problem(jax.random.key(seed), width=args.width, depth=args.depth,
                            length=args.length, batch_size=args.batch_size)
 
-    budgets = calibrate(problem(0), names, args.seconds)
-    print("step budgets:", budgets, flush=True)
-    grids = tune(problem(0), names, budgets, args.max_grid, args.rates)
-    chosen = {n: _best(trials) for n, trials in grids.items()}
-    repeats = {n: [t] for n, t in chosen.items()}
-    for seed in range(1, args.seeds):
-        rates = [chosen[n].run.learning_rate for n in names]
-        for trial in _round(problem(seed), names, rates, [budgets[n] for n in names], seed):
+    settings = dict(width=args.width, depth=args.depth, length=args.length, batch_size=args.batch_size)
+    journal = Journal(args.journal)
+    calibration = Journal.key(calibration=names, **settings)
+    if (step_seconds := journal.get(calibration)) is None:
+        step_seconds = calibrate(problem(0), names)
+        journal.put(calibration, step_seconds)
+    budgets = step_budgets(step_seconds, args.seconds)
+    tuning = step_budgets(step_seconds, args.tune_seconds)
+    print("step budgets:", budgets, "" if tuning == budgets else f"(tuned at {tuning})", flush=True)
+    play = journaled(journal, settings, problem)
+    grids = tune(play, names, tuning, args.max_grid, args.rates)
+    rates = {n: _best(trials).run.learning_rate for n, trials in grids.items()}
+    tuned_is_seed_0 = tuning == budgets
+    repeats = {n: [_best(grids[n])] if tuned_is_seed_0 else [] for n in names}
+    for seed in range(1 if tuned_is_seed_0 else 0, args.seeds):
+        for trial in play(names, [rates[n] for n in names], [budgets[n] for n in names], seed):
             repeats[trial.name].append(trial)
-    memory = {n: step_memory(problem(0), n, chosen[n].run.learning_rate) for n in names}
+    memory = {n: step_memory(problem(0), n, rates[n]) for n in names}
     rows = summarise(repeats, memory)
     print(table(rows, *common_seconds(repeats)))
     print(f"\n{time.perf_counter() - start:.0f} s in all; {args.seeds} seed(s), at most {args.max_grid} "

@@ -90,7 +90,8 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
     assert lm.make_method("kfac", None, 100).schedule is None
     eigen = lm.make_method("eigen", 3e-3, 100)
     assert eigen.name == "recipe" and isinstance(eigen.options["direction"], eqx_kfac.EigenbasisAdam)
-    assert lm.make_method("kfac_muon", 0.03, 100).options == lm.KFAC_PERIODS
+    # kfac_muon keeps the harness's periods (statistics every 10th step, refreshes every 50th).
+    assert lm.make_method("kfac_muon", 0.03, 100).options == {}
     with pytest.raises(ValueError, match="adapted rate"):
         Method("kfac", None, schedule=lm.warmup_cosine(10))
 
@@ -138,10 +139,13 @@ def test_step_memory_counts_the_parameters_and_the_optimizer_state(problem):
     assert adamw >= 3 * params and adamw - sgd >= 2 * params
 
 
-def test_a_tiny_run_of_the_script_writes_its_table_and_curves(tmp_path, capsys):
-    path = tmp_path / "lm.json"
+def test_a_tiny_run_of_the_script_writes_its_table_and_curves_and_resumes_from_its_journal(
+    tmp_path, capsys, monkeypatch
+):
+    path, journal = tmp_path / "lm.json", tmp_path / "journal.jsonl"
     args = ["--quick", "--methods", "adamw", "soap", "--seconds", "0.5", "--width", "16", "--depth",
-            "1", "--length", "8", "--batch-size", "4", "--rates", "soap=0.002", "--save", str(path)]
+            "1", "--length", "8", "--batch-size", "4", "--rates", "soap=0.002", "--save", str(path),
+            "--journal", str(journal)]
     assert lm.main(args) == 0
     out = capsys.readouterr().out
     assert "| adamw | 0.001 |" in out and "| soap | 0.002 |" in out
@@ -150,6 +154,23 @@ def test_a_tiny_run_of_the_script_writes_its_table_and_curves(tmp_path, capsys):
         curve = saved["curves"][name][0]
         assert len(curve["validation"]) == len(curve["steps"]) >= 2
         assert np.all(np.diff(curve["compiled"]) > 0)
+    # Run again: the calibration and the round come from the journal, nothing is trained, and the
+    # table is the same.
+    monkeypatch.setattr(lm, "run_round", lambda *a, **k: pytest.fail("trained again"))
+    assert lm.main(args) == 0
+    again = capsys.readouterr().out
+    assert "seed 0: adamw, soap taken from the journal" in again
+    table = lambda text: [line for line in text.splitlines() if line.startswith("| adamw") or line.startswith("| soap")]
+    assert table(again) == table(out)
+    assert json.loads(path.read_text())["curves"] == saved["curves"]
+
+
+def test_the_calibration_covers_a_whole_refresh_period():
+    assert lm.calibration_steps(lm.make_method("adamw", 1e-3, 10)) == lm.CALIBRATION_STEPS
+    period = lm.KFAC_OPTAX["kfac_muon"]["inverse_update_period"]
+    assert lm.calibration_steps(lm.make_method("kfac_muon", 0.03, 10)) == period + 2
+    assert lm.calibration_steps(lm.make_method("eigen", 3e-3, 10)) == max(
+        lm.CALIBRATION_STEPS, lm.KFAC_PERIODS["inverse_update_period"] + 2)
 
 
 def test_given_rates_are_parsed_and_bad_ones_refused(capsys):
