@@ -187,3 +187,43 @@ def test_kronecker_muon_at_power_zero_is_optax_muon():
 def test_kronecker_muon_checks_its_fields(field, value, message):
     with pytest.raises(ValueError, match=message):
         eqx_kfac.KroneckerMuon(**{field: value})
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree)
+
+
+@pytest.mark.parametrize("direction", [eqx_kfac.KroneckerMuon(), eqx_kfac.EigenbasisAdam()],
+                         ids=["kronecker_muon", "eigenbasis_adam"])
+def test_bfloat16_parameters_keep_their_dtype_with_float32_statistics_and_follow_the_exact_run(direction):
+    low_model, low_batch = _cast(MODEL, jnp.bfloat16), _cast(BATCH, jnp.bfloat16)
+    runs = {}
+    for name, (model, batch) in {"bf16": (low_model, low_batch), "f64": (MODEL, BATCH)}.items():
+        transform = eqx_kfac.kfac_optax(loss_fn, (model, batch), learning_rate=LR, momentum=None,
+                                        curvature=CURVATURE, refresh=EVERY_OTHER_STEP, direction=direction)
+        state = transform.init(eqx.filter(model, eqx.is_inexact_array))
+        for i in range(STEPS):
+            model, state = optax_step(transform, model, state, batch=batch, key=i)
+        runs[name] = (model, state)
+    model, state = runs["bf16"]
+    assert {x.dtype for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))} == {jnp.dtype(jnp.bfloat16)}
+    inner = state[0] if isinstance(state, tuple) else state
+    kfac_state = next(s for s in jax.tree.leaves(inner, is_leaf=lambda s: hasattr(s, "estimator_state"))
+                      if hasattr(s, "estimator_state"))
+    factors = [f.value for s in kfac_state.estimator_state.block_states for f in s.factors]
+    moments = [x for x in jax.tree.leaves(kfac_state.direction_state) if x.ndim > 0]
+    assert factors and {f.dtype for f in factors} == {jnp.dtype(jnp.float32)}
+    assert moments and {m.dtype for m in moments} == {jnp.dtype(jnp.float32)}
+    # The bf16 run lowers the (float64) loss as much as the float64 run, to 1% of the decrease
+    # (measured: 0.3%), and moves the parameters the same way to 10% (measured: 4.6% and 1.5%;
+    # a step of ~0.015 on weights of ~0.5, whose bf16 spacing is ~0.002, rounds at ~10% per entry).
+    start, loss = _to_flat(MODEL), lambda m: float(loss_fn(_cast(m, jnp.float64), BATCH))
+    moved, exact = _to_flat(model) - _to_flat(low_model), _to_flat(runs["f64"][0]) - start
+    assert np.linalg.norm(moved - exact) <= 0.1 * np.linalg.norm(exact)
+    decrease = loss(MODEL) - loss(runs["f64"][0])
+    assert decrease > 0 and abs(loss(model) - loss(runs["f64"][0])) <= 0.01 * decrease
+
+
+def _to_flat(model) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).ravel()
+                           for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))])
