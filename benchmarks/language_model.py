@@ -9,7 +9,8 @@
 The model (`benchmarks/model_zoo/gpt.py`): a decoder-only transformer written as Equinox users
 write one (token and position embeddings, pre-norm blocks with RMSNorm, causal multi-head
 attention, a 4x MLP, an untied head), trained on the characters of Python's own help topics
-(`pydoc_data.topics`), the last tenth held out for the validation loss.
+(`pydoc_data.topics`), the last tenth held out for the validation loss. `--model lm1b`: Flax's
+lm1b transformer (Linen, `benchmarks/model_zoo/lm1b.py`) on the same text, splits and batches.
 
 Methods (`METHODS`), all from the same initial parameters on the same batches:
 
@@ -58,6 +59,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import equinox as eqx
 import jax
@@ -67,7 +69,7 @@ import optax
 import eqx_kfac
 from benchmarks.harness import KFAC_OPTAX, ladder, make_step, Method, Problem, Run, run_round, usable
 from benchmarks.harness.journal import Journal, record_from_json, record_to_json
-from benchmarks.model_zoo import gpt
+from benchmarks.model_zoo import gpt, lm1b
 
 METHODS = ("kfac", "recipe", "eigen", "kfac_muon", "adamw", "muon", "soap", "shampoo", "psgd")
 # The documented starting points: kfac_optax's default 0.1; SOAP's paper 3e-3 (also for Adam in
@@ -82,6 +84,8 @@ KFAC_PERIODS = dict(curvature_update_period=5, inverse_update_period=25)
 CALIBRATION_STEPS = 12
 WARMUP = 0.05
 EVALUATIONS = 24
+# The models (`--model`): each module's `problem`, `validation_batch` and `mean_cross_entropy`.
+MODELS = {"gpt": gpt, "lm1b": lm1b}
 
 
 def warmup_cosine(steps: int) -> Callable[[float], optax.Schedule]:
@@ -136,15 +140,17 @@ class Trial:
 
 
 def _round(
-    problem: Problem, names: Sequence[str], rates: Sequence[float | None], budgets: Sequence[int], seed: int
+    problem: Problem, zoo: ModuleType, length: int, names: Sequence[str], rates: Sequence[float | None],
+    budgets: Sequence[int], seed: int,
 ) -> list[Trial]:
-    """One round: each method at its rate and step budget, validated `EVALUATIONS` times."""
-    validation = gpt.validation_batch(problem.model.positions.num_embeddings)
-    evaluate = eqx.filter_jit(gpt.mean_cross_entropy)
+    """One round: each method at its rate and step budget, validated `EVALUATIONS` times on the
+    held-out windows of `length` predictions of the model's module `zoo` (`MODELS`)."""
+    validation = zoo.validation_batch(length)
+    evaluate = eqx.filter_jit(zoo.mean_cross_entropy)
     every = [max(1, b // EVALUATIONS) for b in budgets]
     log = [([], []) for _ in names]
 
-    def observe(index: int, step: int, model: gpt.GPT) -> None:
+    def observe(index: int, step: int, model: eqx.Module) -> None:
         if step % every[index] == 0 or step == budgets[index] - 1:
             log[index][0].append(step)
             log[index][1].append(float(evaluate(model, validation)))
@@ -200,16 +206,16 @@ def tune(
     return ladder.tune(first, run, extend)
 
 
-def journaled(journal: Journal, settings: dict, problem: Callable[[int], Problem]) -> Play:
-    """`_round` on `problem(seed)`, each round kept in `journal` under its methods, rates, budgets,
-    seed and `settings`, and taken from it when there."""
+def journaled(journal: Journal, settings: dict, train: Play) -> Play:
+    """`train`, each round kept in `journal` under its methods, rates, budgets, seed and
+    `settings`, and taken from it when there."""
 
     def play(names, rates, budgets, seed):
         key = Journal.key(round=seed, names=list(names), rates=list(rates), budgets=list(budgets), **settings)
         if (done := journal.get(key)) is not None:
             print(f"seed {seed}: {', '.join(names)} taken from the journal", flush=True)
             return [Trial(t["name"], record_from_json(t["run"]), t["steps"], t["evaluated"]) for t in done]
-        trials = _round(problem(seed), names, rates, budgets, seed)
+        trials = train(names, rates, budgets, seed)
         journal.put(key, [dict(name=t.name, run=record_to_json(t.run), steps=t.steps, evaluated=t.evaluated)
                           for t in trials])
         return trials
@@ -324,6 +330,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="60 s per method, one seed, reference rates")
     parser.add_argument("--seconds", type=float, help="compiled seconds per method (default 600, 60 with --quick)")
     ladder.add_arguments(parser)
+    parser.add_argument("--model", choices=tuple(MODELS), default="gpt",
+                        help="the Equinox GPT, or Flax's lm1b transformer (Linen)")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--length", type=int, default=64, help="characters of context")
@@ -364,11 +372,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = usable(args.methods)
     start = time.perf_counter()
 
-    def problem(seed: int):
-        return gpt.problem(jax.random.key(seed), width=args.width, depth=args.depth,
+    zoo = MODELS[args.model]
+
+    def problem(seed: int) -> Problem:
+        return zoo.problem(jax.random.key(seed), width=args.width, depth=args.depth,
                            length=args.length, batch_size=args.batch_size)
 
-    settings = dict(width=args.width, depth=args.depth, length=args.length, batch_size=args.batch_size)
+    def train(names, rates, budgets, seed) -> list[Trial]:
+        return _round(problem(seed), zoo, args.length, names, rates, budgets, seed)
+
+    settings = dict(model=args.model, width=args.width, depth=args.depth, length=args.length,
+                    batch_size=args.batch_size)
     journal = Journal(args.journal)
     calibration = Journal.key(calibration=names, **settings)
     if (step_seconds := journal.get(calibration)) is None:
@@ -377,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     budgets = step_budgets(step_seconds, args.seconds)
     tuning = step_budgets(step_seconds, args.tune_seconds)
     print("step budgets:", budgets, "" if tuning == budgets else f"(tuned at {tuning})", flush=True)
-    play = journaled(journal, settings, problem)
+    play = journaled(journal, settings, train)
     grids = tune(play, names, tuning, args.max_grid, args.rates)
     rates = {n: _best(trials).run.learning_rate for n, trials in grids.items()}
     tuned_is_seed_0 = tuning == budgets
@@ -389,10 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarise(repeats, memory)
     print(table(rows, *common_seconds(repeats)))
     print(f"\n{time.perf_counter() - start:.0f} s in all; {args.seeds} seed(s), at most {args.max_grid} "
-          f"rate(s) per method; width {args.width}, depth {args.depth}, context {args.length}, "
+          f"rate(s) per method; {args.model}, width {args.width}, depth {args.depth}, context {args.length}, "
           f"batch {args.batch_size}; {jax.devices()[0].platform}.")
     if args.plots:
-        plot(repeats, f"{args.plots}/language_model.png")
+        plot(repeats, f"{args.plots}/language_model{'' if args.model == 'gpt' else '_' + args.model}.png")
     if args.save:
         curves = {n: [dict(steps=t.steps, validation=t.evaluated, compiled=t.clock(True)[t.steps].tolist(),
                            from_first_call=t.clock(False)[t.steps].tolist()) for t in trials]

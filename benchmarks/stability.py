@@ -6,7 +6,9 @@ each seed (the initial parameters and the order of the minibatches of 64) and ea
 damping, and `eqx_kfac.kfac_optax` with its defaults), it trains for `--steps` steps, then
 again with one batch scaled by 1e10 and one by 1e30 injected (`--no-faults` skips those runs).
 Adam (best of learning rates 1e-3, 3e-3, 1e-2 by median final loss over the seeds) is the
-baseline, with and without the injected batches.
+baseline, with and without the injected batches. `--forms kfac_muon` adds (or, alone, runs only)
+`kfac_optax` with `eqx_kfac.KroneckerMuon` (statistics every 10th step, eigendecompositions every
+50th, a constant rate of 0.03).
 
 A run passes when: no loss is non-finite, no loss after step 50 exceeds the first (the injected
 batches' own losses excepted), at most 1% of the steps were not applied (skipped or rejected), the
@@ -14,6 +16,7 @@ optimizer state is finite at the end, and the final full-data loss is at most Ad
 
     python benchmarks/stability.py            # 3 seeds, 2,000 steps (about 30 min on 2 cores)
     python benchmarks/stability.py --quick    # 1 seed, 700 steps
+    python benchmarks/stability.py --forms kfac kfac_muon --save /tmp/s.json
 """
 
 import argparse
@@ -32,10 +35,14 @@ from benchmarks.harness import Method, Problem, Run, digits, train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORMS = ("kfac", "recipe")
+# The other forms `--forms` takes: kfac_optax with KroneckerMuon (the harness's `KFAC_OPTAX`).
+OTHER_FORMS = ("kfac_muon",)
 ADAM_RATES = (1e-3, 3e-3, 1e-2)
 # Step -> input scale of the injected batches.
 FAULTS = {300: 1e10, 600: 1e30}
-RECIPE_RATE = 0.1
+# The constant rates of the kfac_optax forms: its default, and Muon's reference 0.02 rounded up to
+# the ladder 0.01, 0.03, ... for KroneckerMuon.
+RATES = {"recipe": 0.1, "kfac_muon": 0.03}
 
 
 def make_problem(model: str, seed: int) -> Problem:
@@ -149,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
+    parser.add_argument("--forms", nargs="+", choices=FORMS + OTHER_FORMS, default=list(FORMS))
     parser.add_argument("--no-faults", action="store_true", help="skip the runs with injected batches")
     parser.add_argument("--quick", action="store_true", help="1 seed, 700 steps")
     parser.add_argument("--save", default=os.path.join(HERE, "results", "stability.json"))
@@ -165,10 +173,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             }
             adam[(model, faults)] = min(finals.values(), key=lambda v: v if np.isfinite(v) else np.inf)
             print(f"{model} faults={faults}: Adam median final loss by rate {finals}", flush=True)
-            for form in FORMS:
+            for form in args.forms:
                 for seed in args.seeds:
-                    rate = RECIPE_RATE if form == "recipe" else None
-                    outcomes.append(run_one(model, form, seed, args.steps, faults, rate))
+                    outcomes.append(run_one(model, form, seed, args.steps, faults, RATES.get(form)))
                     print(outcomes[-1], flush=True)
             jax.clear_caches()
     print(table(outcomes, adam))

@@ -15,7 +15,7 @@ import pytest
 import eqx_kfac
 from benchmarks import language_model as lm
 from benchmarks.harness import FirstCall, Method, registration_summary, Run, run_round, topics_text
-from benchmarks.model_zoo import gpt
+from benchmarks.model_zoo import gpt, lm1b
 
 TINY = dict(width=16, depth=1, heads=2, length=8, batch_size=4)
 
@@ -44,6 +44,26 @@ def test_the_registered_loss_is_the_per_character_mean(problem):
     by_hand = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1))
     np.testing.assert_allclose(problem.loss(*args), by_hand, rtol=1e-10)
     np.testing.assert_allclose(gpt.mean_cross_entropy(*args), by_hand, rtol=1e-10)
+
+
+def test_flax_lm1b_gets_structured_blocks_and_the_per_character_mean():
+    lm1b_problem = lm1b.problem(jax.random.key(0), width=16, depth=1, length=8, batch_size=4)
+    kinds, generic = registration_summary(lm1b_problem)
+    assert generic == 0
+    # Per block: the attention's four projections and the MLP's two layers; the head; nn.Embed.
+    assert "7 DenseTwoKroneckerFactored" in kinds and "1 EmbeddingKroneckerFactored" in kinds, kinds
+    args = lm1b_problem.first_args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqx_kfac.BlockDiagonalCurvature(lm1b_problem.loss, args, on_unmatched="error")
+    model, batch = args
+    assert batch.shape == (4, 8) and int(batch.min()) >= 1  # ids from 1: 0 is lm1b's padding
+    logits = model.module.apply({"params": model.params}, batch)
+    by_hand = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[..., None], -1))
+    np.testing.assert_allclose(lm1b_problem.loss(*args), by_hand, rtol=1e-10)
+    np.testing.assert_allclose(lm1b.mean_cross_entropy(*args), by_hand, rtol=1e-10)
+    # The validation windows are the GPT's (length + 1 ids predict length characters), shifted by one.
+    np.testing.assert_array_equal(lm1b.validation_batch(9, count=3), gpt.validation_batch(8, count=3) + 1)
 
 
 def test_the_model_is_causal(problem):

@@ -37,6 +37,11 @@ def _splits() -> tuple[np.ndarray, np.ndarray, int]:
     return ids[:cut], ids[cut:], len(index)
 
 
+def train_ids() -> Int[Array, " characters"]:
+    """The first nine tenths of the text, as character ids from 0."""
+    return jnp.asarray(_splits()[0])
+
+
 def vocabulary_size() -> int:
     """The number of distinct characters of the text (103)."""
     return _splits()[2]
@@ -111,7 +116,8 @@ def loss(model: GPT, batch: Int[Array, "n length_plus_one"]) -> Float[Array, ""]
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def _windows(ids: Array, key: PRNGKeyArray, count: int, length: int) -> Array:
+def windows(ids: Int[Array, " characters"], key: PRNGKeyArray, count: int, length: int) -> Int[Array, "count length"]:
+    """`count` windows of `length` ids of `ids` at random offsets drawn from `key`."""
     starts = jax.random.randint(key, (count,), 0, ids.shape[0] - length)
     return ids[starts[:, None] + jnp.arange(length)]
 
@@ -141,12 +147,12 @@ def problem(
 
     The `Problem` (`name` `"gpt"`).
     """
-    train = jnp.asarray(_splits()[0])
+    train = train_ids()
     model = GPT(key, vocabulary_size(), length, width, depth, heads, tied)
     return Problem(
         name="gpt",
         model=model,
         loss=loss,
-        next_batch=lambda model, step, key, previous: _windows(train, key, batch_size, length + 1),
+        next_batch=lambda model, step, key, previous: windows(train, key, batch_size, length + 1),
         batch_size=batch_size,
     )
