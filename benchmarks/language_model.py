@@ -65,6 +65,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import optax
+from jaxtyping import Array
 
 import eqx_kfac
 from benchmarks.harness import KFAC_OPTAX, ladder, make_step, Method, Problem, Run, run_round, usable
@@ -140,12 +141,11 @@ class Trial:
 
 
 def _round(
-    problem: Problem, zoo: ModuleType, length: int, names: Sequence[str], rates: Sequence[float | None],
+    problem: Problem, zoo: ModuleType, validation: Array, names: Sequence[str], rates: Sequence[float | None],
     budgets: Sequence[int], seed: int,
 ) -> list[Trial]:
     """One round: each method at its rate and step budget, validated `EVALUATIONS` times on the
-    held-out windows of `length` predictions of the model's module `zoo` (`MODELS`)."""
-    validation = zoo.validation_batch(length)
+    held-out windows `validation` with the model's module `zoo` (`MODELS`)."""
     evaluate = eqx.filter_jit(zoo.mean_cross_entropy)
     every = [max(1, b // EVALUATIONS) for b in budgets]
     log = [([], []) for _ in names]
@@ -332,6 +332,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ladder.add_arguments(parser)
     parser.add_argument("--model", choices=tuple(MODELS), default="gpt",
                         help="the Equinox GPT, or Flax's lm1b transformer (Linen)")
+    parser.add_argument("--corpus", choices=tuple(gpt.CORPORA), default="topics",
+                        help="Python's help topics (465 thousand characters), or its standard library's "
+                        "sources (12 million: for runs that would pass over the topics many times)")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--length", type=int, default=64, help="characters of context")
@@ -374,15 +377,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     zoo = MODELS[args.model]
 
+    validation = zoo.validation_batch(args.length, corpus=args.corpus)
+
     def problem(seed: int) -> Problem:
         return zoo.problem(jax.random.key(seed), width=args.width, depth=args.depth,
-                           length=args.length, batch_size=args.batch_size)
+                           length=args.length, batch_size=args.batch_size, corpus=args.corpus)
 
     def train(names, rates, budgets, seed) -> list[Trial]:
-        return _round(problem(seed), zoo, args.length, names, rates, budgets, seed)
+        return _round(problem(seed), zoo, validation, names, rates, budgets, seed)
 
-    settings = dict(model=args.model, width=args.width, depth=args.depth, length=args.length,
-                    batch_size=args.batch_size)
+    settings = dict(model=args.model, corpus=args.corpus, width=args.width, depth=args.depth,
+                    length=args.length, batch_size=args.batch_size)
     journal = Journal(args.journal)
     calibration = Journal.key(calibration=names, **settings)
     if (step_seconds := journal.get(calibration)) is None:
@@ -403,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarise(repeats, memory)
     print(table(rows, *common_seconds(repeats)))
     print(f"\n{time.perf_counter() - start:.0f} s in all; {args.seeds} seed(s), at most {args.max_grid} "
-          f"rate(s) per method; {args.model}, width {args.width}, depth {args.depth}, context {args.length}, "
+          f"rate(s) per method; {args.model} on {args.corpus}, width {args.width}, depth {args.depth}, context {args.length}, "
           f"batch {args.batch_size}; {jax.devices()[0].platform}.")
     if args.plots:
         plot(repeats, f"{args.plots}/language_model{'' if args.model == 'gpt' else '_' + args.model}.png")

@@ -4,6 +4,8 @@ observation of `run_round`, the schedule, the bookkeeping of validation losses i
 step's memory, and a whole tiny run of the script."""
 
 import json
+import os
+import pathlib
 import warnings
 
 import equinox as eqx
@@ -14,7 +16,7 @@ import pytest
 
 import eqx_kfac
 from benchmarks import language_model as lm
-from benchmarks.harness import FirstCall, Method, registration_summary, Run, run_round, topics_text
+from benchmarks.harness import FirstCall, Method, registration_summary, Run, run_round, stdlib_text, topics_text
 from benchmarks.model_zoo import gpt, lm1b
 
 TINY = dict(width=16, depth=1, heads=2, length=8, batch_size=4)
@@ -64,6 +66,23 @@ def test_flax_lm1b_gets_structured_blocks_and_the_per_character_mean():
     np.testing.assert_allclose(lm1b.mean_cross_entropy(*args), by_hand, rtol=1e-10)
     # The validation windows are the GPT's (length + 1 ids predict length characters), shifted by one.
     np.testing.assert_array_equal(lm1b.validation_batch(9, count=3), gpt.validation_batch(8, count=3) + 1)
+
+
+def test_the_stdlib_corpus_is_the_standard_librarys_sources_split_in_order():
+    text = stdlib_text()
+    assert os.__file__.endswith("os.py") and pathlib.Path(os.__file__).read_text().encode("ascii", "replace").decode() in text
+    # A class of the standard library's own tests (Lib/test/test_os.py), which are left out.
+    assert "class StatAttributeTests(unittest.TestCase)" not in text and set(text) <= {chr(i) for i in range(128)}
+    assert gpt.vocabulary_size("stdlib") == len(set(text))
+    stdlib_problem = gpt.problem(jax.random.key(0), **TINY, corpus="stdlib")
+    assert stdlib_problem.model.tokens.num_embeddings == len(set(text))
+    chars = sorted(set(text))
+    decode = lambda row: "".join(chars[i] for i in np.asarray(row))  # noqa: E731
+    cut = int(len(text) * 0.9)
+    batch = stdlib_problem.next_batch(stdlib_problem.model, 0, jax.random.key(3), None)
+    assert batch.shape == (4, 9) and all(decode(row) in text[:cut] for row in batch)
+    validation = gpt.validation_batch(8, count=3, corpus="stdlib")
+    assert all(decode(row) in text[cut:] for row in validation)
 
 
 def test_the_model_is_causal(problem):

@@ -21,6 +21,7 @@ from .data import (
     digit_batches as digit_batches,
     digits as digits,
     minibatches as minibatches,
+    stdlib_text as stdlib_text,
     topics_text as topics_text,
     upsampled_digits as upsampled_digits,
 )

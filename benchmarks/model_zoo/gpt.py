@@ -1,12 +1,13 @@
-"""A decoder-only transformer (a small GPT) on the characters of Python's own help topics.
+"""A decoder-only transformer (a small GPT) on the characters of Python's own help topics (or of
+its standard library's sources).
 
 The model is written as Equinox users write one: token and position `eqx.nn.Embedding`s, pre-norm
 blocks (`eqx.nn.RMSNorm`, causal `eqx.nn.MultiheadAttention`, a 4x GELU MLP of two
 `eqx.nn.Linear`s), a final `RMSNorm` and an output head, untied (its own `Linear`) or tied (the
 token table's transpose). `__call__` maps one sequence of ids to its next-character logits.
 
-The text (`benchmarks.harness.topics_text`, 465 thousand characters) is split in order: the last
-tenth is held out. A training batch is `batch_size` windows of `length + 1` characters at random
+The text (`benchmarks.harness.topics_text`, 465 thousand characters; with `corpus="stdlib"`,
+`stdlib_text`, 12.1 million) is split in order: the last tenth is held out. A training batch is `batch_size` windows of `length + 1` characters at random
 offsets of the first nine tenths (drawn from the step's key, so every method of a seed sees the
 same batches); `validation_batch` is evenly spaced windows of the held-out tenth. The loss is the
 mean cross-entropy over every predicted character, registered with `mean_over="all"`.
@@ -23,28 +24,32 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_kfac
 
-from ..harness import Problem, topics_text
+from ..harness import Problem, stdlib_text, topics_text
 
 HELD_OUT = 0.1
 
 
+# The corpora (`problem(corpus=...)`): Python's help topics, or its standard library's sources.
+CORPORA = {"topics": topics_text, "stdlib": stdlib_text}
+
+
 @functools.cache
-def _splits() -> tuple[np.ndarray, np.ndarray, int]:
-    text = topics_text()
-    index = {c: i for i, c in enumerate(sorted(set(text)))}
-    ids = np.asarray([index[c] for c in text], np.int32)
+def _splits(corpus: str) -> tuple[np.ndarray, np.ndarray, int]:
+    # Ids in code point order (as `sorted(set(text))`).
+    characters, ids = np.unique(np.frombuffer(CORPORA[corpus]().encode("utf-32-le"), np.uint32), return_inverse=True)
+    ids = ids.astype(np.int32)
     cut = int(len(ids) * (1 - HELD_OUT))
-    return ids[:cut], ids[cut:], len(index)
+    return ids[:cut], ids[cut:], len(characters)
 
 
-def train_ids() -> Int[Array, " characters"]:
-    """The first nine tenths of the text, as character ids from 0."""
-    return jnp.asarray(_splits()[0])
+def train_ids(corpus: str = "topics") -> Int[Array, " characters"]:
+    """The first nine tenths of the corpus, as character ids from 0."""
+    return jnp.asarray(_splits(corpus)[0])
 
 
-def vocabulary_size() -> int:
-    """The number of distinct characters of the text (103)."""
-    return _splits()[2]
+def vocabulary_size(corpus: str = "topics") -> int:
+    """The number of distinct characters of the corpus (103 for the help topics)."""
+    return _splits(corpus)[2]
 
 
 class Block(eqx.Module):
@@ -122,16 +127,16 @@ def windows(ids: Int[Array, " characters"], key: PRNGKeyArray, count: int, lengt
     return ids[starts[:, None] + jnp.arange(length)]
 
 
-def validation_batch(length: int, count: int = 256) -> Int[Array, "count length_plus_one"]:
+def validation_batch(length: int, count: int = 256, corpus: str = "topics") -> Int[Array, "count length_plus_one"]:
     """`count` evenly spaced windows of `length + 1` characters of the held-out text."""
-    held_out = _splits()[1]
+    held_out = _splits(corpus)[1]
     starts = np.linspace(0, len(held_out) - length - 1, count).astype(int)
     return jnp.asarray(np.stack([held_out[s : s + length + 1] for s in starts]))
 
 
 def problem(
     key: PRNGKeyArray, *, width: int = 128, depth: int = 2, heads: int = 4, length: int = 64,
-    batch_size: int = 32, tied: bool = False,
+    batch_size: int = 32, tied: bool = False, corpus: str = "topics",
 ) -> Problem:
     """The language model's `Problem` (see the module docstring).
 
@@ -142,13 +147,14 @@ def problem(
     - `length`: the context (characters predicted per window).
     - `batch_size`: windows per batch.
     - `tied`: tie the output head to the token table.
+    - `corpus`: a key of `CORPORA`.
 
     **Returns:**
 
     The `Problem` (`name` `"gpt"`).
     """
-    train = train_ids()
-    model = GPT(key, vocabulary_size(), length, width, depth, heads, tied)
+    train = train_ids(corpus)
+    model = GPT(key, vocabulary_size(corpus), length, width, depth, heads, tied)
     return Problem(
         name="gpt",
         model=model,

@@ -48,14 +48,15 @@ def loss(model: LM1B, batch: Int[Array, "n length"]) -> Float[Array, ""]:
     return jnp.sum(per_token * weights) / jnp.sum(weights)
 
 
-def validation_batch(length: int, count: int = 256) -> Int[Array, "count length"]:
+def validation_batch(length: int, count: int = 256, corpus: str = "topics") -> Int[Array, "count length"]:
     """`count` evenly spaced windows of `length` characters of the held-out text (the GPT's
     windows, ids shifted by one)."""
-    return gpt.validation_batch(length - 1, count) + 1
+    return gpt.validation_batch(length - 1, count, corpus) + 1
 
 
 def problem(
-    key: PRNGKeyArray, *, width: int = 128, depth: int = 2, length: int = 64, batch_size: int = 32
+    key: PRNGKeyArray, *, width: int = 128, depth: int = 2, length: int = 64, batch_size: int = 32,
+    corpus: str = "topics",
 ) -> Problem:
     """lm1b's `Problem` (`name` `"lm1b"`, its `model` an `LM1B`; see the module docstring).
 
@@ -65,9 +66,10 @@ def problem(
     - `width`, `depth`: the embedding width and the number of blocks.
     - `length`: characters per window (each one predicted).
     - `batch_size`: windows per batch.
+    - `corpus`: a key of `gpt.CORPORA`.
     """
-    module = TransformerLM(gpt.vocabulary_size() + 1, width, 4, 4 * width, depth)
-    train = gpt.train_ids() + 1
+    module = TransformerLM(gpt.vocabulary_size(corpus) + 1, width, 4, 4 * width, depth)
+    train = gpt.train_ids(corpus) + 1
     model = LM1B(module, module.init(key, train[None, :length])["params"])
     return Problem(
         name="lm1b",
