@@ -408,8 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarise(repeats, memory)
     print(table(rows, *common_seconds(repeats)))
     print(f"\n{time.perf_counter() - start:.0f} s in all; {args.seeds} seed(s), at most {args.max_grid} "
-          f"rate(s) per method; {args.model} on {args.corpus}, width {args.width}, depth {args.depth}, context {args.length}, "
-          f"batch {args.batch_size}; {jax.devices()[0].platform}.")
+          f"rate(s) per method; {args.model} on {args.corpus}, width {args.width}, depth {args.depth}, "
+          f"context {args.length}, batch {args.batch_size}; {jax.devices()[0].platform}.")
     if args.plots:
         plot(repeats, f"{args.plots}/language_model{'' if args.model == 'gpt' else '_' + args.model}.png")
     if args.save:

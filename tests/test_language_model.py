@@ -70,7 +70,8 @@ def test_flax_lm1b_gets_structured_blocks_and_the_per_character_mean():
 
 def test_the_stdlib_corpus_is_the_standard_librarys_sources_split_in_order():
     text = stdlib_text()
-    assert os.__file__.endswith("os.py") and pathlib.Path(os.__file__).read_text().encode("ascii", "replace").decode() in text
+    os_source = pathlib.Path(os.__file__).read_text().encode("ascii", "replace").decode()
+    assert os.__file__.endswith("os.py") and os_source in text
     # A class of the standard library's own tests (Lib/test/test_os.py), which are left out.
     assert "class StatAttributeTests(unittest.TestCase)" not in text and set(text) <= {chr(i) for i in range(128)}
     assert gpt.vocabulary_size("stdlib") == len(set(text))

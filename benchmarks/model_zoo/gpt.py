@@ -7,8 +7,8 @@ blocks (`eqx.nn.RMSNorm`, causal `eqx.nn.MultiheadAttention`, a 4x GELU MLP of t
 token table's transpose). `__call__` maps one sequence of ids to its next-character logits.
 
 The text (`benchmarks.harness.topics_text`, 465 thousand characters; with `corpus="stdlib"`,
-`stdlib_text`, 12.1 million) is split in order: the last tenth is held out. A training batch is `batch_size` windows of `length + 1` characters at random
-offsets of the first nine tenths (drawn from the step's key, so every method of a seed sees the
+`stdlib_text`, 12.1 million) is split in order: the last tenth is held out. A training batch is
+`batch_size` windows of `length + 1` characters at random offsets of the first nine tenths (drawn from the step's key, so every method of a seed sees the
 same batches); `validation_batch` is evenly spaced windows of the held-out tenth. The loss is the
 mean cross-entropy over every predicted character, registered with `mean_over="all"`.
 """
@@ -36,7 +36,8 @@ CORPORA = {"topics": topics_text, "stdlib": stdlib_text}
 @functools.cache
 def _splits(corpus: str) -> tuple[np.ndarray, np.ndarray, int]:
     # Ids in code point order (as `sorted(set(text))`).
-    characters, ids = np.unique(np.frombuffer(CORPORA[corpus]().encode("utf-32-le"), np.uint32), return_inverse=True)
+    code_points = np.frombuffer(CORPORA[corpus]().encode("utf-32-le"), np.uint32)
+    characters, ids = np.unique(code_points, return_inverse=True)
     ids = ids.astype(np.int32)
     cut = int(len(ids) * (1 - HELD_OUT))
     return ids[:cut], ids[cut:], len(characters)

@@ -32,20 +32,24 @@ class LM1B(eqx.Module):
         return self.module.apply({"params": self.params}, batch)
 
 
-def mean_cross_entropy(model: LM1B, batch: Int[Array, "n length"]) -> Float[Array, ""]:
-    """The mean next-character cross-entropy over the non-padding positions (no registration)."""
-    per_token = optax.softmax_cross_entropy_with_integer_labels(model(batch), batch)
+def _masked_mean(logits: Float[Array, "n length vocabulary"], batch: Int[Array, "n length"]) -> Float[Array, ""]:
+    """The mean cross-entropy of `logits` against `batch` over its non-padding positions."""
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch)
     weights = (batch > 0).astype(per_token.dtype)
     return jnp.sum(per_token * weights) / jnp.sum(weights)
+
+
+def mean_cross_entropy(model: LM1B, batch: Int[Array, "n length"]) -> Float[Array, ""]:
+    """The mean next-character cross-entropy over the non-padding positions (no registration)."""
+    return _masked_mean(model(batch), batch)
 
 
 def loss(model: LM1B, batch: Int[Array, "n length"]) -> Float[Array, ""]:
     """`mean_cross_entropy`, its loss registered as the mean over the non-padding positions."""
     logits = model(batch)
-    weights = (batch > 0).astype(logits.dtype)
-    eqx_kfac.register_softmax_cross_entropy_loss(logits, batch, mask=weights, mean_over="all")
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch)
-    return jnp.sum(per_token * weights) / jnp.sum(weights)
+    mask = (batch > 0).astype(logits.dtype)
+    eqx_kfac.register_softmax_cross_entropy_loss(logits, batch, mask=mask, mean_over="all")
+    return _masked_mean(logits, batch)
 
 
 def validation_batch(length: int, count: int = 256, corpus: str = "topics") -> Int[Array, "count length"]:
