@@ -181,6 +181,23 @@ def step_budgets(step_seconds: dict[str, float], seconds: float) -> dict[str, in
     return {n: max(CALIBRATION_STEPS, int(seconds / t)) for n, t in step_seconds.items()}
 
 
+def calibration_drift(step_seconds: dict[str, float], repeats: dict[str, list[Trial]],
+                      tolerance: float = 0.15) -> list[str]:
+    """A line for each method whose steps in `repeats` took on average more than `tolerance`
+    longer or shorter than `step_seconds` (measured as `calibrate` measures): its runs then lasted
+    about that much more or less than `--seconds`, because the calibration or the round shared the
+    machine with other work."""
+    lines = []
+    for name, trials in repeats.items():
+        ran = float(np.mean([np.mean(t.run.times[1:] + t.run.batch_times[1:]) for t in trials]))
+        if abs(ratio := ran / step_seconds[name] - 1) > tolerance:
+            lines.append(
+                f"note: {name}'s steps took {1e3 * ran:.0f} ms, calibrated at {1e3 * step_seconds[name]:.0f} ms "
+                f"({ratio:+.0%}), so its runs lasted about {ratio:+.0%} against the seconds asked; for runs of "
+                "the seconds asked, calibrate on a quiet machine (a new --journal file)")
+    return lines
+
+
 Play = Callable[[Sequence[str], Sequence[float | None], Sequence[int], int], list[Trial]]
 
 
@@ -407,6 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory = {n: step_memory(problem(0), n, rates[n]) for n in names}
     rows = summarise(repeats, memory)
     print(table(rows, *common_seconds(repeats)))
+    for line in calibration_drift(step_seconds, repeats):
+        print(line)
     print(f"\n{time.perf_counter() - start:.0f} s in all; {args.seeds} seed(s), at most {args.max_grid} "
           f"rate(s) per method; {args.model} on {args.corpus}, width {args.width}, depth {args.depth}, "
           f"context {args.length}, batch {args.batch_size}; {jax.devices()[0].platform}.")

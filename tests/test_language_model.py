@@ -171,6 +171,16 @@ def test_summary_and_table_give_ratios_to_adamw():
     assert "val. loss at 4.5 s compiled | at 6.0 s from the first call" in text
 
 
+def test_a_round_whose_steps_differ_from_their_calibration_is_named():
+    # Steps after the second of 0.5 s (and no batch time) against calibrations of 0.5 s, 0.4 s
+    # and 0.6 s: within 15%, 25% slower, 17% faster.
+    repeats = {name: [_trial(range(9), [1.0] * 9)] for name in ("adamw", "soap", "muon")}
+    lines = lm.calibration_drift({"adamw": 0.5, "soap": 0.4, "muon": 0.6}, repeats)
+    assert len(lines) == 2
+    assert lines[0].startswith("note: soap's steps took 500 ms, calibrated at 400 ms (+25%)")
+    assert lines[1].startswith("note: muon's steps took 500 ms, calibrated at 600 ms (-17%)")
+
+
 def test_step_memory_counts_the_parameters_and_the_optimizer_state(problem):
     params = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(problem.model, eqx.is_inexact_array)))
     sgd, adamw = (lm.step_memory(problem, name, 1e-3) for name in ("sgd", "adamw"))
