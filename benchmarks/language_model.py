@@ -167,13 +167,18 @@ def calibration_steps(method: Method) -> int:
     return max(CALIBRATION_STEPS, 2 + options.get("inverse_update_period", 0))
 
 
+def _mean_step_seconds(run: Run) -> float:
+    """The mean seconds of `run`'s steps, their batches included, its first two steps left out."""
+    return float(np.mean(run.times[1:] + run.batch_times[1:]))
+
+
 def calibrate(problem: Problem, names: Sequence[str]) -> dict[str, float]:
     """Each method's mean step time (batches included; its first two steps left out) in one round
     at its reference rate, over `calibration_steps`."""
     rates = [REFERENCE_LR.get(n) for n in names]
     steps = [calibration_steps(make_method(n, r, 1)) for n, r in zip(names, rates)]
     runs = run_round(problem, [make_method(n, r, s) for n, r, s in zip(names, rates, steps)], steps)
-    return {n: float(np.mean(r.times[1:] + r.batch_times[1:])) for n, r in zip(names, runs)}
+    return {n: _mean_step_seconds(r) for n, r in zip(names, runs)}
 
 
 def step_budgets(step_seconds: dict[str, float], seconds: float) -> dict[str, int]:
@@ -184,12 +189,12 @@ def step_budgets(step_seconds: dict[str, float], seconds: float) -> dict[str, in
 def calibration_drift(step_seconds: dict[str, float], repeats: dict[str, list[Trial]],
                       tolerance: float = 0.15) -> list[str]:
     """A line for each method whose steps in `repeats` took on average more than `tolerance`
-    longer or shorter than `step_seconds` (measured as `calibrate` measures): its runs then lasted
+    longer or shorter than `step_seconds` (both by `_mean_step_seconds`): its runs then lasted
     about that much more or less than `--seconds`, because the calibration or the round shared the
     machine with other work."""
     lines = []
     for name, trials in repeats.items():
-        ran = float(np.mean([np.mean(t.run.times[1:] + t.run.batch_times[1:]) for t in trials]))
+        ran = float(np.mean([_mean_step_seconds(t.run) for t in trials]))
         if abs(ratio := ran / step_seconds[name] - 1) > tolerance:
             lines.append(
                 f"note: {name}'s steps took {1e3 * ran:.0f} ms, calibrated at {1e3 * step_seconds[name]:.0f} ms "

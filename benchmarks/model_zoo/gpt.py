@@ -8,9 +8,10 @@ token table's transpose). `__call__` maps one sequence of ids to its next-charac
 
 The text (`benchmarks.harness.topics_text`, 465 thousand characters; with `corpus="stdlib"`,
 `stdlib_text`, 12.1 million) is split in order: the last tenth is held out. A training batch is
-`batch_size` windows of `length + 1` characters at random offsets of the first nine tenths (drawn from the step's key, so every method of a seed sees the
-same batches); `validation_batch` is evenly spaced windows of the held-out tenth. The loss is the
-mean cross-entropy over every predicted character, registered with `mean_over="all"`.
+`batch_size` windows of `length + 1` characters at random offsets of the first nine tenths
+(drawn from the step's key, so every method of a seed sees the same batches); `validation_batch`
+is evenly spaced windows of the held-out tenth. The loss is the mean cross-entropy over every
+predicted character, registered with `mean_over="all"`.
 """
 
 import functools
