@@ -12,7 +12,6 @@ from hypothesis import given, settings, strategies as st
 
 from block_helpers import (
     dense_spec,
-    flat,
     generic_spec,
     random_data,
     random_vector,
@@ -44,13 +43,15 @@ def make_state(block, seed, **init_kwargs):
 
 
 @eqx.filter_jit
-def _matpower(block, state, vector, damping, power, exact, cached):
-    return block.multiply_matpower(state, vector, damping, power, exact, cached)
+def _eigenvalues_and_dense(block, state):
+    # One program (shared by all examples) instead of dozens of eager operations.
+    return block.eigenvalues(state), block.to_dense_matrix(state)
 
 
-def matpower(block, state, vector, damping, power, exact=True, cached=False):
-    """`multiply_matpower`, compiled once per block and power (damping is traced)."""
-    return _matpower(block, state, vector, jnp.asarray(damping), power, exact, cached)
+def flat(vector):
+    """The concatenated entries of a tuple of arrays, with NumPy (`jnp.concatenate` would compile
+    a program per combination of shapes)."""
+    return np.concatenate([np.ravel(np.asarray(v)) for v in vector])
 
 
 def close(a, b, rtol=RTOL):
@@ -68,9 +69,19 @@ def test_kronecker_eigenvalues_are_outer_products_of_factor_eigenvalues(seed):
     state = make_state(block, seed)
     a, g = (np.asarray(f.value) for f in state.factors)
     expected = np.outer(np.linalg.eigvalsh(a), np.linalg.eigvalsh(g)).ravel()
-    np.testing.assert_allclose(np.sort(block.eigenvalues(state)), np.sort(expected), atol=1e-12)
-    close(block.to_dense_matrix(state)[np.ix_(range(6), range(6))],
+    eigenvalues, dense = _eigenvalues_and_dense(block, state)
+    np.testing.assert_allclose(np.sort(eigenvalues), np.sort(expected), atol=1e-12)
+    close(np.asarray(dense)[np.ix_(range(6), range(6))],
           np.kron(g, a[:3, :3]))  # out_in weight (2, 3): rows are outputs, columns inputs
+
+
+@eqx.filter_jit
+def _approximate_inverse(block, state, vector, damping, cached):
+    """The approximate inverse, after a cache refresh with `damping` if `cached`, and the state it
+    used (one program per block and `cached`; `damping` is traced)."""
+    if cached:
+        state = block.update_cache(state, damping, approx_powers=-1)
+    return state, block.multiply_matpower(state, vector, damping, -1, False, cached)
 
 
 @settings(max_examples=10)
@@ -82,20 +93,27 @@ def test_approximate_inverse_is_pi_adjusted(seed, damping, layout, bias, cached)
     # `(A + π√λ I)⁻¹ X (G + √λ/π I)⁻¹` on the canonical `(in + 1, out)` arrangement `X` of the
     # parameters (built here with numpy), whatever arrangement the block multiplies on.
     block = DenseTwoKroneckerFactored(dense_spec(3, 2, bias=bias, layout=layout))
-    state = make_state(block, seed, approx_powers_to_cache=-1)
-    if cached:
-        state = block.update_cache(state, damping, approx_powers=-1)
+    v = random_vector(block, jax.random.key(seed))
+    state, result = _approximate_inverse(
+        block, make_state(block, seed, approx_powers_to_cache=-1), v, jnp.asarray(damping), cached
+    )
     a, g = (np.asarray(f.value) for f in state.factors)
     pi = np.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
     inv_a = np.linalg.inv(a + pi * np.sqrt(damping) * np.eye(a.shape[0]))
     inv_g = np.linalg.inv(g + np.sqrt(damping) / pi * np.eye(g.shape[0]))
-    v = random_vector(block, jax.random.key(seed))
     weight = np.asarray(v[0]) if layout == "in_out" else np.asarray(v[0]).T
     canonical = np.concatenate([weight, np.asarray(v[1])[None]], axis=0) if bias else weight
     expected = inv_a @ canonical @ inv_g
     expected_weight = expected[:3] if layout == "in_out" else expected[:3].T
-    result = matpower(block, state, v, damping, -1, exact=False, cached=cached)
     close(result, (expected_weight, expected[3]) if bias else (expected_weight,))
+
+
+@jax.jit
+def _two_updates(key, ema_old, ema_new, second):
+    # One program for all examples (the coefficients are traced) instead of eager operations.
+    x1, x2 = jax.random.normal(key, (2, 3))
+    first = WeightedMovingAverage.zeros((3,), jnp.float64).update(x1, ema_old, ema_new)
+    return x1, x2, first, first.update(x2, ema_old, second)
 
 
 @settings(max_examples=20)
@@ -104,10 +122,9 @@ def test_approximate_inverse_is_pi_adjusted(seed, damping, layout, bias, cached)
     seed=seeds,
 )
 def test_moving_average_is_bias_corrected(ema_old, ema_new, second, seed):
-    x1, x2 = jax.random.normal(jax.random.key(seed), (2, 3))
-    average = WeightedMovingAverage.zeros((3,), jnp.float64).update(x1, ema_old, ema_new)
+    x1, x2, average, updated = _two_updates(jax.random.key(seed), ema_old, ema_new, second)
     np.testing.assert_allclose(average.value, x1, rtol=1e-12)
-    average = average.update(x2, ema_old, second)
+    average = updated
     expected = (ema_old * ema_new * x1 + second * x2) / (ema_old * ema_new + second)
     np.testing.assert_allclose(average.value, expected, rtol=1e-12)
     np.testing.assert_allclose(average.weight, ema_old * ema_new + second, rtol=1e-12)
@@ -137,22 +154,39 @@ def test_use_cached_without_cache_raises():
         block.update_cache(state, 0.1, approx_powers=-1)
 
 
+@eqx.filter_jit
+def _refreshed_and_inverses(block, data, damping, v, cached_options, eigenvalues=False):
+    """A fresh state updated with `data`, its caches refreshed with `damping`, and the
+    approximate and exact inverses of `v` (approximate only for `eigenvalues=False`), cached or
+    not per `cached_options`: one program instead of dozens of eager operations."""
+    state = block.init(None, exact_powers_to_cache=-1, approx_powers_to_cache=-1,
+                       cache_eigenvalues=eigenvalues)
+    state = block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, block.spec.input_shapes[0][0])
+    state = block.update_cache(state, damping, exact_powers=-1, approx_powers=-1, eigenvalues=eigenvalues)
+    exacts = (False, True) if eigenvalues else (False,)
+    inverses = {
+        (exact, cached): block.multiply_inverse(state, v, damping, exact_power=exact, use_cached=cached)
+        for exact in exacts for cached in cached_options
+    }
+    extra = (block.eigenvalues(state, use_cached=True), block.to_dense_matrix(state)) if eigenvalues else ()
+    return state, inverses, extra
+
+
 @pytest.mark.parametrize("block_cls", [DenseTwoKroneckerFactored, DenseFull])
 def test_singular_statistics_fall_back_without_nan(block_cls):
     # One example without bias: rank-one factors, so Cholesky of the undamped factors fails.
     block = block_cls(dense_spec(3, 2, bias=False, batch=1))
-    state = block.init(None, exact_powers_to_cache=-1, approx_powers_to_cache=-1)
     data = random_data(block.spec, jax.random.key(0), num_vectors=1)
-    state = block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, 1)
-    state = block.update_cache(state, 0.0, exact_powers=-1, approx_powers=-1)
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
     v = random_vector(block, jax.random.key(1))
     # The exact undamped inverse of a singular matrix is infinite (so is Full's cached one, an
     # eigendecomposition); the Cholesky-based inverses must fall back to floored eigenvalues,
     # or, in a cache refresh, keep the previous (zero) inverse.
-    for cached in (True, False) if block_cls is DenseTwoKroneckerFactored else (False,):
-        result = block.multiply_inverse(state, v, 0.0, exact_power=False, use_cached=cached)
-        assert all(bool(jnp.all(jnp.isfinite(x))) for x in result)
+    cached_options = (True, False) if block_cls is DenseTwoKroneckerFactored else (False,)
+    state, inverses, _ = _refreshed_and_inverses(block, data, 0.0, v, cached_options)
+    # (Checked with NumPy: `jnp.isfinite` would compile a program per leaf shape.)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state))
+    for result in inverses.values():
+        assert all(np.all(np.isfinite(np.asarray(x))) for x in result)
 
 
 @pytest.mark.parametrize(
@@ -163,19 +197,15 @@ def test_singular_statistics_fall_back_without_nan(block_cls):
 @pytest.mark.parametrize("block_cls", [DenseTwoKroneckerFactored, DenseFull, DenseDiagonal])
 def test_zero_size_and_one_by_one_factors(spec, block_cls):
     block = block_cls(spec)
-    state = block.init(None, exact_powers_to_cache=-1, approx_powers_to_cache=-1,
-                       cache_eigenvalues=True)
-    state = block.update_curvature_matrix_estimate(
-        state, random_data(spec, jax.random.key(0)), 0.0, 1.0, 3
-    )
-    state = block.update_cache(state, 0.5, exact_powers=-1, approx_powers=-1, eigenvalues=True)
     v = random_vector(block, jax.random.key(1))
-    dense = np.asarray(block.to_dense_matrix(state)) + 0.5 * np.eye(block.dim)
-    for exact in (True, False):
-        inv = block.multiply_inverse(state, v, 0.5, exact_power=exact, use_cached=True)
+    state, inverses, (eigenvalues, dense) = _refreshed_and_inverses(
+        block, random_data(spec, jax.random.key(0)), 0.5, v, (True,), eigenvalues=True
+    )
+    dense = np.asarray(dense) + 0.5 * np.eye(block.dim)
+    for inv in inverses.values():  # exact and approximate, cached
         close(dense @ np.asarray(flat(inv)), flat(v))
-    assert block.eigenvalues(state, use_cached=True).shape == (block.dim,)
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
+    assert eigenvalues.shape == (block.dim,)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state))
 
 
 def test_kronecker_is_an_extension_point():

@@ -10,6 +10,7 @@ import pytest
 
 from eqx_kfac import Conv2DDiagonal, Conv2DFull, Conv2DTwoKroneckerFactored
 from eqx_kfac import EstimationData, LayerSpec
+from eqx_kfac.testing import numpy_rng
 
 
 def _layer(getkey, *, lhs="NHWC", rhs="HWIO", batch=3, channels=4, spatial=(6, 5), kernel=(3, 2),
@@ -25,11 +26,13 @@ def _layer(getkey, *, lhs="NHWC", rhs="HWIO", batch=3, channels=4, spatial=(6, 5
         window_strides=strides, padding=padding, lhs_dilation=lhs_dilation,
         rhs_dilation=rhs_dilation, dimension_numbers=dnums, feature_group_count=groups,
     )
-    x = jax.random.normal(getkey(), x_shape, dtype=jnp.float64)
-    params = (jax.random.normal(getkey(), w_shape, dtype=jnp.float64),)
+    # Standard normal data drawn with NumPy (JAX's random functions compile once per shape).
+    rng = numpy_rng(getkey())
+    x = jnp.asarray(rng.standard_normal(x_shape))
+    params = (jnp.asarray(rng.standard_normal(w_shape)),)
     if bias:
         # A bias shaped as in `eqx.nn.Conv2d`, `(out, 1, 1)`, to check that only its size matters.
-        params += (jax.random.normal(getkey(), (out_channels, 1, 1), dtype=jnp.float64),)
+        params += (jnp.asarray(rng.standard_normal((out_channels, 1, 1))),)
     bias_shape = [1] * 4
     bias_shape[dnums.out_spec[1]] = out_channels
 
@@ -37,8 +40,8 @@ def _layer(getkey, *, lhs="NHWC", rhs="HWIO", batch=3, channels=4, spatial=(6, 5
         y = jax.lax.conv_general_dilated(x, params[0], **meta)
         return y + jnp.reshape(params[1], bias_shape) if bias else y
 
-    y = conv(params, x)
-    dy = jax.random.normal(getkey(), (vectors, *y.shape), dtype=jnp.float64)
+    y = jax.jit(conv)(params, x)
+    dy = jnp.asarray(rng.standard_normal((vectors, *y.shape)))
     spec = LayerSpec(
         tag="conv2d", index=0, param_paths=tuple(f"conv.p{i}" for i in range(len(params))),
         param_indices=tuple(range(len(params))), param_shapes=tuple(p.shape for p in params),
@@ -105,7 +108,7 @@ def test_full_equals_brute_force_and_diagonal_equals_its_diagonal(getkey, name):
     np.testing.assert_allclose(dense, expected, rtol=1e-10, atol=1e-10)
     diagonal = Conv2DDiagonal(spec)
     _, diag_dense = _estimate(diagonal, data, batch)
-    np.testing.assert_allclose(diag_dense, jnp.diag(jnp.diag(dense)), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(diag_dense, np.diag(np.diag(dense)), rtol=1e-10, atol=1e-10)
 
 
 def _kernel_index_map(spec):
@@ -139,12 +142,28 @@ def _kernel_index_map(spec):
 )
 def test_kronecker_factors_equal_explicit_formulas(getkey, name, patches_method):
     spec, data, _ = _layer(getkey, **_CONFIGS[name])
+    batch = data.inputs[0].shape[spec.get("dimension_numbers").lhs_spec[0]]
+    block = Conv2DTwoKroneckerFactored(spec, patches_method=patches_method)
+    state, dense = _estimate(block, data, batch)
+    a, g = (np.asarray(f.value) for f in state.factors)
+    expected_a, expected_g = _explicit_factors(spec, data)
+    np.testing.assert_allclose(a, expected_a, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(g, expected_g, rtol=1e-10, atol=1e-12)
+
+    # The dense matrix is A ⊗ G laid out on the parameters' row-major flattening.
+    rows, cols = _kernel_index_map(spec)
+    expected = a[rows[:, None], rows[None, :]] * g[cols[:, None], cols[None, :]]
+    np.testing.assert_allclose(dense, expected, rtol=1e-10, atol=1e-12)
+
+
+# One program per layer shape (shared by the two patch methods) instead of dozens of eager
+# operations.
+@eqx.filter_jit
+def _explicit_factors(spec, data):
+    """The KFC factors A and G of one batch, from their explicit formulas."""
     dnums = spec.get("dimension_numbers")
     (x,), (dy,) = data.inputs, data.outputs_tangent
     batch = x.shape[dnums.lhs_spec[0]]
-    block = Conv2DTwoKroneckerFactored(spec, patches_method=patches_method)
-    state, dense = _estimate(block, data, batch)
-    a, g = (f.value for f in state.factors)
 
     # A: patches from `conv_general_dilated_patches` (channel-major features), reordered to
     # spatial-major, with the bias 1 appended, averaged over examples and locations.
@@ -161,16 +180,11 @@ def test_kronecker_factors_equal_explicit_formulas(getkey, name, patches_method)
     if len(spec.param_shapes) == 2:
         patches = jnp.concatenate([patches, jnp.ones((patches.shape[0], 1))], axis=1)
     locations = patches.shape[0] // batch
-    np.testing.assert_allclose(a, patches.T @ patches / (batch * locations), rtol=1e-10, atol=1e-12)
+    expected_a = patches.T @ patches / (batch * locations)
 
     # G: output tangents summed over vectors, examples and locations, divided by the batch size.
     dy_flat = jnp.moveaxis(dy, dnums.out_spec[1] + 1, -1).reshape(-1, dy.shape[dnums.out_spec[1] + 1])
-    np.testing.assert_allclose(g, dy_flat.T @ dy_flat / batch, rtol=1e-10, atol=1e-12)
-
-    # The dense matrix is A ⊗ G laid out on the parameters' row-major flattening.
-    rows, cols = _kernel_index_map(spec)
-    expected = a[rows[:, None], rows[None, :]] * g[cols[:, None], cols[None, :]]
-    np.testing.assert_allclose(dense, expected, rtol=1e-10, atol=1e-12)
+    return expected_a, dy_flat.T @ dy_flat / batch
 
 
 def _fmt(lhs_spec):

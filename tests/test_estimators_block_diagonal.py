@@ -159,6 +159,36 @@ def test_several_losses_add_up(getkey):
     )
 
 
+@eqx.filter_jit
+def _everything(estimator, state, v, damping):
+    """Every product, power and spectrum the test compares with the dense matrix, in one program."""
+    state = estimator.update_cache(state, damping, exact_powers=-1)
+    operator = estimator.as_linear_operator(state, damping)
+    flat = lambda tree: ravel_pytree(tree)[0]  # noqa: E731
+    inverse = {
+        exact: estimator.multiply_inverse(state, v, damping, exact_power=exact)
+        for exact in (True, False)
+    }
+    return dict(
+        dense=estimator.to_dense_matrix(state),
+        operator_matrix=operator.as_matrix(),
+        operator_mv=flat(operator.mv(v)),
+        operator_trace=operator_trace(operator),
+        operator_eigenvalues=operator_eigenvalues(operator),
+        eigenvalues=estimator.eigenvalues(state),
+        block_eigenvalues=estimator.block_eigenvalues(state),
+        product=flat(estimator.multiply(state, v, damping)),
+        per_block_product=flat(estimator.multiply(state, v, [damping] * estimator.num_blocks)),
+        round_trip={
+            exact: flat(estimator.multiply(state, inverse[exact], damping, exact_power=exact))
+            for exact in (True, False)
+        },
+        cached_inverse=flat(
+            estimator.multiply_inverse(state, v, damping, exact_power=True, use_cached=True)
+        ),
+    )
+
+
 def test_dense_matrix_operator_and_products_agree(getkey):
     problem = mlp_classification(getkey(), sizes=(3, 4, 3))
     estimator, state, _ = _estimate(
@@ -169,35 +199,7 @@ def test_dense_matrix_operator_and_products_agree(getkey):
     rng = np.random.default_rng(0)  # (NumPy: JAX's random functions would compile per shape)
     v = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), filtered)
 
-    @eqx.filter_jit
-    def everything(estimator, state, v):
-        state = estimator.update_cache(state, damping, exact_powers=-1)
-        operator = estimator.as_linear_operator(state, damping)
-        flat = lambda tree: ravel_pytree(tree)[0]  # noqa: E731
-        inverse = {
-            exact: estimator.multiply_inverse(state, v, damping, exact_power=exact)
-            for exact in (True, False)
-        }
-        return dict(
-            dense=estimator.to_dense_matrix(state),
-            operator_matrix=operator.as_matrix(),
-            operator_mv=flat(operator.mv(v)),
-            operator_trace=operator_trace(operator),
-            operator_eigenvalues=operator_eigenvalues(operator),
-            eigenvalues=estimator.eigenvalues(state),
-            block_eigenvalues=estimator.block_eigenvalues(state),
-            product=flat(estimator.multiply(state, v, damping)),
-            per_block_product=flat(estimator.multiply(state, v, [damping] * estimator.num_blocks)),
-            round_trip={
-                exact: flat(estimator.multiply(state, inverse[exact], damping, exact_power=exact))
-                for exact in (True, False)
-            },
-            cached_inverse=flat(
-                estimator.multiply_inverse(state, v, damping, exact_power=True, use_cached=True)
-            ),
-        )
-
-    out = jax.tree.map(np.asarray, everything(estimator, state, v))
+    out = jax.tree.map(np.asarray, _everything(estimator, state, v, damping))
     dense = out["dense"]
     assert dense.shape == (estimator.dim, estimator.dim)
     assert sum(estimator.block_dims) == estimator.dim == flat_params(problem.params)[0].size
@@ -316,27 +318,6 @@ def test_example_args_may_be_shape_structs_and_update_jits(getkey):
         ),
     )
     np.testing.assert_allclose(jitted, eager, rtol=1e-12)
-
-
-@pytest.mark.parametrize("make", [BlockDiagonalCurvature, ExplicitExactCurvature])
-def test_an_eager_update_is_one_program_whatever_its_coefficients(make, getkey, xla_compilations):
-    problem = mlp_classification(getkey())
-    estimator = make(problem.loss_fn, problem.func_args)
-    state, key = estimator.init(getkey()), getkey()
-    vector = eqx.filter(problem.func_args[0], eqx.is_inexact_array)
-
-    def calls():
-        s = state
-        for ema_old, ema_new in [(0.0, 1.0), (0.5, 0.5), (0.9, 0.1)]:
-            s = estimator.update_curvature_matrix_estimate(
-                s, ema_old, ema_new, problem.batch_size, key, problem.func_args, "ggn_exact"
-            )
-            estimator.multiply_inverse(s, vector, ema_new)
-
-    # One program for the updates and one for the products, whatever the coefficients and the
-    # damping, and at most two more converting Python numbers to arrays. (One operation at a
-    # time: dozens, and more for every new value.)
-    assert xla_compilations(calls) <= 4
 
 
 def test_scan_over_stacked_layers_equals_unrolled_network(getkey):
@@ -465,3 +446,26 @@ def test_batch_norm_on_conv_features_is_an_exact_scale_and_shift_layer(mode, get
     jac = jax.jit(jax.jacobian(affine_outputs))((model.norm.weight, model.norm.bias))
     jac = np.concatenate(jac, axis=1)
     np.testing.assert_allclose(_to_dense(norm, block_state), 2 * jac.T @ jac / 5, rtol=1e-10, atol=1e-13)
+
+
+# Last in the module: counting compilations clears JAX's caches (`xla_compilations`), so the
+# tests before it share the programs that several of them compile (model set-ups of one shape).
+@pytest.mark.parametrize("make", [BlockDiagonalCurvature, ExplicitExactCurvature])
+def test_an_eager_update_is_one_program_whatever_its_coefficients(make, getkey, xla_compilations):
+    problem = mlp_classification(getkey())
+    estimator = make(problem.loss_fn, problem.func_args)
+    state, key = estimator.init(getkey()), getkey()
+    vector = eqx.filter(problem.func_args[0], eqx.is_inexact_array)
+
+    def calls():
+        s = state
+        for ema_old, ema_new in [(0.0, 1.0), (0.5, 0.5), (0.9, 0.1)]:
+            s = estimator.update_curvature_matrix_estimate(
+                s, ema_old, ema_new, problem.batch_size, key, problem.func_args, "ggn_exact"
+            )
+            estimator.multiply_inverse(s, vector, ema_new)
+
+    # One program for the updates and one for the products, whatever the coefficients and the
+    # damping, and at most two more converting Python numbers to arrays. (One operation at a
+    # time: dozens, and more for every new value.)
+    assert xla_compilations(calls) <= 4

@@ -14,7 +14,7 @@ import eqx_kfac
 from eqx_kfac import kfac_preconditioner
 from eqx_kfac import solve_block
 
-from block_helpers import dense_spec, flat, random_data, random_vector
+from block_helpers import dense_spec, random_data, random_vector
 from models import flat_params, mlp_classification, mlp_regression
 
 EXACT_SOLVERS = (
@@ -24,6 +24,12 @@ EXACT_SOLVERS = (
     lx.LU(),
 )
 BLOCKS = (eqx_kfac.DenseFull, eqx_kfac.DenseTwoKroneckerFactored)
+
+
+def flat(vector):
+    """The concatenated entries of a tuple of arrays, with NumPy (`jnp.concatenate` would compile
+    a program per combination of shapes)."""
+    return np.concatenate([np.ravel(np.asarray(v)) for v in vector])
 
 
 def _close(actual, expected, rtol=1e-8, atol=1e-10):

@@ -27,6 +27,25 @@ def problem():
     return gpt.problem(jax.random.key(0), **TINY)
 
 
+# The losses and their references in one compiled program each: run eagerly, every operation of
+# the model was a program of its own (the GPT's test compiled 88 programs, now 1; lm1b's 147, now
+# 79, most of them Flax's initialisation).
+@eqx.filter_jit
+def _gpt_losses(loss, model, batch):
+    """`loss`, `gpt.mean_cross_entropy` and the mean cross-entropy written out, on `batch`."""
+    logits = jax.vmap(model)(batch[:, :-1])
+    by_hand = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1))
+    return loss(model, batch), gpt.mean_cross_entropy(model, batch), by_hand
+
+
+@eqx.filter_jit
+def _lm1b_losses(loss, model, batch):
+    """`loss`, `lm1b.mean_cross_entropy` and the mean cross-entropy written out, on `batch`."""
+    logits = model.module.apply({"params": model.params}, batch)
+    by_hand = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[..., None], -1))
+    return loss(model, batch), lm1b.mean_cross_entropy(model, batch), by_hand
+
+
 def test_every_parameter_of_the_untied_model_gets_a_structured_block(problem):
     kinds, generic = registration_summary(problem)
     assert generic == 0
@@ -41,11 +60,9 @@ def test_the_registered_loss_is_the_per_character_mean(problem):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         eqx_kfac.BlockDiagonalCurvature(problem.loss, args, on_unmatched="error")
-    batch = args[-1]
-    logits = jax.vmap(problem.model)(batch[:, :-1])
-    by_hand = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1))
-    np.testing.assert_allclose(problem.loss(*args), by_hand, rtol=1e-10)
-    np.testing.assert_allclose(gpt.mean_cross_entropy(*args), by_hand, rtol=1e-10)
+    loss, mean, by_hand = _gpt_losses(problem.loss, *args)
+    np.testing.assert_allclose(loss, by_hand, rtol=1e-10)
+    np.testing.assert_allclose(mean, by_hand, rtol=1e-10)
 
 
 def test_flax_lm1b_gets_structured_blocks_and_the_per_character_mean():
@@ -60,10 +77,9 @@ def test_flax_lm1b_gets_structured_blocks_and_the_per_character_mean():
         eqx_kfac.BlockDiagonalCurvature(lm1b_problem.loss, args, on_unmatched="error")
     model, batch = args
     assert batch.shape == (4, 8) and int(batch.min()) >= 1  # ids from 1: 0 is lm1b's padding
-    logits = model.module.apply({"params": model.params}, batch)
-    by_hand = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[..., None], -1))
-    np.testing.assert_allclose(lm1b_problem.loss(*args), by_hand, rtol=1e-10)
-    np.testing.assert_allclose(lm1b.mean_cross_entropy(*args), by_hand, rtol=1e-10)
+    loss, mean, by_hand = _lm1b_losses(lm1b_problem.loss, model, batch)
+    np.testing.assert_allclose(loss, by_hand, rtol=1e-10)
+    np.testing.assert_allclose(mean, by_hand, rtol=1e-10)
     # The validation windows are the GPT's (length + 1 ids predict length characters), shifted by one.
     np.testing.assert_array_equal(lm1b.validation_batch(9, count=3), gpt.validation_batch(8, count=3) + 1)
 
@@ -73,23 +89,27 @@ def test_the_stdlib_corpus_is_the_standard_librarys_sources_split_in_order():
     os_source = pathlib.Path(os.__file__).read_text().encode("ascii", "replace").decode()
     assert os.__file__.endswith("os.py") and os_source in text
     # A class of the standard library's own tests (Lib/test/test_os.py), which are left out.
-    assert "class StatAttributeTests(unittest.TestCase)" not in text and set(text) <= {chr(i) for i in range(128)}
-    assert gpt.vocabulary_size("stdlib") == len(set(text))
+    # The 12 million characters' set and splits once each (each pass over them takes CPU seconds).
+    characters = set(text)
+    assert "class StatAttributeTests(unittest.TestCase)" not in text and characters <= {chr(i) for i in range(128)}
+    assert gpt.vocabulary_size("stdlib") == len(characters)
     stdlib_problem = gpt.problem(jax.random.key(0), **TINY, corpus="stdlib")
-    assert stdlib_problem.model.tokens.num_embeddings == len(set(text))
-    chars = sorted(set(text))
+    assert stdlib_problem.model.tokens.num_embeddings == len(characters)
+    chars = sorted(characters)
     decode = lambda row: "".join(chars[i] for i in np.asarray(row))  # noqa: E731
     cut = int(len(text) * 0.9)
+    train, held_out = text[:cut], text[cut:]
     batch = stdlib_problem.next_batch(stdlib_problem.model, 0, jax.random.key(3), None)
-    assert batch.shape == (4, 9) and all(decode(row) in text[:cut] for row in batch)
+    assert batch.shape == (4, 9) and all(decode(row) in train for row in batch)
     validation = gpt.validation_batch(8, count=3, corpus="stdlib")
-    assert all(decode(row) in text[cut:] for row in validation)
+    assert all(decode(row) in held_out for row in validation)
 
 
 def test_the_model_is_causal(problem):
     ids = jnp.arange(8) % gpt.vocabulary_size()
     changed = ids.at[5].set((ids[5] + 1) % gpt.vocabulary_size())
-    before, after = problem.model(ids), problem.model(changed)
+    model = eqx.filter_jit(problem.model)  # one program for both calls (eagerly: 51)
+    before, after = model(ids), model(changed)
     np.testing.assert_allclose(before[:5], after[:5], rtol=1e-12)
     assert not np.allclose(before[5:], after[5:])
 
@@ -193,14 +213,18 @@ def test_a_tiny_run_of_the_script_writes_its_table_and_curves_and_resumes_from_i
     tmp_path, capsys, monkeypatch
 ):
     path, journal = tmp_path / "lm.json", tmp_path / "journal.jsonl"
-    args = ["--quick", "--methods", "adamw", "soap", "--seconds", "0.5", "--width", "16", "--depth",
-            "1", "--length", "8", "--batch-size", "4", "--rates", "soap=0.002", "--save", str(path),
+    # Two methods, one at its reference rate and one at a given rate. Muon (optax's) rather than
+    # SOAP: its step compiles in a third of the time (the script compiles each method's step three
+    # times: calibration, round, memory). `--seconds 0.05`: budgets at or near their floor of
+    # `CALIBRATION_STEPS` steps (0.5 s gave AdamW 41 steps), each step's model still evaluated.
+    args = ["--quick", "--methods", "adamw", "muon", "--seconds", "0.05", "--width", "16", "--depth",
+            "1", "--length", "8", "--batch-size", "4", "--rates", "muon=0.002", "--save", str(path),
             "--journal", str(journal)]
     assert lm.main(args) == 0
     out = capsys.readouterr().out
-    assert "| adamw | 0.001 |" in out and "| soap | 0.002 |" in out
+    assert "| adamw | 0.001 |" in out and "| muon | 0.002 |" in out
     saved = json.loads(path.read_text())
-    for name in ("adamw", "soap"):
+    for name in ("adamw", "muon"):
         curve = saved["curves"][name][0]
         assert len(curve["validation"]) == len(curve["steps"]) >= 2
         assert np.all(np.diff(curve["compiled"]) > 0)
@@ -209,8 +233,8 @@ def test_a_tiny_run_of_the_script_writes_its_table_and_curves_and_resumes_from_i
     monkeypatch.setattr(lm, "run_round", lambda *a, **k: pytest.fail("trained again"))
     assert lm.main(args) == 0
     again = capsys.readouterr().out
-    assert "seed 0: adamw, soap taken from the journal" in again
-    table = lambda text: [line for line in text.splitlines() if line.startswith("| adamw") or line.startswith("| soap")]
+    assert "seed 0: adamw, muon taken from the journal" in again
+    table = lambda text: [line for line in text.splitlines() if line.startswith("| adamw") or line.startswith("| muon")]
     assert table(again) == table(out)
     assert json.loads(path.read_text())["curves"] == saved["curves"]
 

@@ -27,15 +27,20 @@ def _exact_gauss_newton(model, terms):
     """`Σ_k 1/N_k Σ_n J_knᵀ J_kn` for residuals `residual_k(model, point)` on points `x_k`."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
     flat, unravel = ravel_pytree(params)
-    total = 0.0
-    for residual, x in terms:
-        def residuals(theta, residual=residual, x=x):
-            model = eqx.combine(unravel(theta), static)
-            return jnp.reshape(jax.vmap(lambda p: residual(model, p))(x), (-1,))
 
-        jac = jax.jit(jax.jacobian(residuals))(flat)
-        total = total + jac.T @ jac / x.shape[0]
-    return np.asarray(total)
+    @jax.jit  # every term in one program
+    def gauss_newton(flat):
+        total = 0.0
+        for residual, x in terms:
+            def residuals(theta, residual=residual, x=x):
+                model = eqx.combine(unravel(theta), static)
+                return jnp.reshape(jax.vmap(lambda p: residual(model, p))(x), (-1,))
+
+            jac = jax.jacobian(residuals)(flat)
+            total = total + jac.T @ jac / x.shape[0]
+        return total
+
+    return np.asarray(gauss_newton(flat))
 
 
 def _residual_terms(setting):
@@ -77,9 +82,16 @@ def _estimate(loss, args, block):
     estimator = eqx_kfac.BlockDiagonalCurvature(
         loss, args, layer_tag_to_block_ctor={"taylor_dense": block}, default_estimation_mode="ggn_exact"
     )
-    update = eqx.filter_jit(estimator.update_curvature_matrix_estimate)
-    state = update(estimator.init(), 0.0, 1.0, args[1][0].shape[0], jax.random.key(0), args)
-    return estimator, state
+
+    # The initial state made inside the update's program (made eagerly, each of its arrays was a
+    # compilation of its own).
+    @eqx.filter_jit
+    def update(args):
+        return estimator.update_curvature_matrix_estimate(
+            estimator.init(), 0.0, 1.0, args[1][0].shape[0], jax.random.key(0), args
+        )
+
+    return estimator, update(args)
 
 
 def _block_diagonal(matrix, estimator):
@@ -132,20 +144,24 @@ def test_full_blocks_and_the_dense_gauss_newton_are_exact_for_a_tanh_network(get
     np.testing.assert_allclose(gramian(args), exact, rtol=1e-8, atol=1e-12)
 
 
-def _random_sum_block(getkey, damping):
-    """A `TaylorDenseKroneckerSum` block with random statistics of two point sets."""
-    model = eqx.nn.MLP(2, "scalar", 3, 1, activation=jnp.tanh, key=getkey())
-    batch = (jax.random.normal(getkey(), (5, 2)), jax.random.normal(getkey(), (2, 2)))
+@pytest.fixture(scope="module")
+def random_sum_block():
+    """A `TaylorDenseKroneckerSum` block with random statistics of two point sets, its state and a
+    random vector (built once: both tests of the block take it as it is)."""
+    keys = iter(jax.random.split(jax.random.key(0), 4))
+    model = eqx.nn.MLP(2, "scalar", 3, 1, activation=jnp.tanh, key=next(keys))
+    batch = (jax.random.normal(next(keys), (5, 2)), jax.random.normal(next(keys), (2, 2)))
     _, _, loss = _residual_terms("reduce")
     estimator, state = _estimate(loss, (model, batch), eqx_kfac.TaylorDenseKroneckerSum)
     block, block_state = estimator.blocks[0], state.block_states[0]
-    vector = tuple(jax.random.normal(getkey(), s) for s in block.param_shapes)
+    shapes = block.param_shapes
+    vector = tuple(jax.random.normal(k, s) for k, s in zip(jax.random.split(next(keys), len(shapes)), shapes))
     return block, block_state, vector
 
 
-def test_kronecker_sum_inverts_its_damped_sum_exactly(getkey):
+def test_kronecker_sum_inverts_its_damped_sum_exactly(random_sum_block):
     damping = 1e-3
-    block, state, vector = _random_sum_block(getkey, damping)
+    block, state, vector = random_sum_block
     flat = ravel_pytree(vector)[0]
 
     @jax.jit
@@ -171,8 +187,8 @@ def test_kronecker_sum_inverts_its_damped_sum_exactly(getkey):
     np.testing.assert_allclose(ravel_pytree(exact)[0], dense @ flat + damping * flat, rtol=1e-10)
 
 
-def test_kronecker_sum_refuses_what_it_cannot_do(getkey):
-    block, state, vector = _random_sum_block(getkey, 0.0)
+def test_kronecker_sum_refuses_what_it_cannot_do(random_sum_block):
+    block, state, vector = random_sum_block
     with pytest.raises(ValueError, match="has no exact power -1"):
         block.multiply_inverse(state, vector, 1e-3, exact_power=True)
     spec = dataclasses.replace(
