@@ -30,6 +30,13 @@ def _problem(key, num_batches=3):
     return problem.params, batches, problem.loss_fn
 
 
+# One problem for the whole module: the transformations and optimizers built for its loss function
+# share what is cached per loss function (its estimator, its checks), and the references their
+# compiled programs.
+PROBLEM = _problem(jax.random.key(0))
+_grad = eqx.filter_jit(eqx.filter_grad(PROBLEM[2]))
+
+
 def _run_chain(transform, model, batches, loss_fn, keys):
     params = eqx.filter(model, eqx.is_inexact_array)
     state = transform.init(params)
@@ -80,7 +87,7 @@ CURVATURE_SETTINGS = [
 
 @pytest.mark.parametrize("settings", CURVATURE_SETTINGS)
 def test_chain_matches_optimizer(settings, getkey):
-    model, batches, loss_fn = _problem(getkey())
+    model, batches, loss_fn = PROBLEM
     keys = list(jax.random.split(getkey(), 6))
     lr, m, d, l2 = 0.3, 0.8, 0.05, 1e-3
     common = dict(curvature_ema=0.9, l2_reg=l2, estimation_mode="fisher_gradients", **settings)
@@ -96,18 +103,9 @@ def test_chain_matches_optimizer(settings, getkey):
         _close(a, b)
 
 
-def test_kfac_optax_init_compiles_one_program(getkey, xla_compilations):
-    # Built op by op (the momentum, the guard's counters around the preconditioner's state),
-    # every array of a new shape compiles a program of its own: 7 for this MLP that way.
-    model, batches, loss_fn = _problem(getkey())
-    transform = eqx_kfac.kfac_optax(loss_fn, (model, batches[0]), momentum=0.9)
-    params = eqx.filter(model, eqx.is_inexact_array)
-    assert xla_compilations(lambda: transform.init(params)) == 1
-
-
 def test_schedules_match_optimizer(getkey):
     """Learning rate before momentum (`scale_by_schedule`, then `trace`) matches kfac-jax."""
-    model, batches, loss_fn = _problem(getkey())
+    model, batches, loss_fn = PROBLEM
     keys = list(jax.random.split(getkey(), 5))
     # optax's own schedules compute in float32 from int32 counts; these stay in float64, so
     # the comparison can be exact.
@@ -137,14 +135,14 @@ def test_schedules_match_optimizer(getkey):
 
 
 def test_update_is_damped_inverse_times_gradient(getkey):
-    model, batches, loss_fn = _problem(getkey())
+    model, batches, loss_fn = PROBLEM
     d, l2 = 0.02, 0.01
     transform = kfac_preconditioner(
         loss_fn, (model, batches[0]), damping=d, l2_reg=l2, estimation_mode="ggn_exact",
         inverse_update_period=1, use_exact_inverses=True,
     )
     params = eqx.filter(model, eqx.is_inexact_array)
-    grads = eqx.filter_grad(loss_fn)(model, batches[0])
+    grads = _grad(model, batches[0])
     # The full model is accepted as params too; exact modes need no key.
     updates, state = eqx.filter_jit(transform.update)(grads, transform.init(model), model, batch=batches[0])
     assert isinstance(state, KFACPreconditionerState) and int(state.count) == 1
@@ -152,7 +150,7 @@ def test_update_is_damped_inverse_times_gradient(getkey):
     estimator = eqx_kfac.BlockDiagonalCurvature(
         loss_fn, (model, batches[0]), default_estimation_mode="ggn_exact"
     )
-    dense = np.asarray(estimator.to_dense_matrix(state.estimator_state))
+    dense = np.asarray(eqx.filter_jit(estimator.to_dense_matrix)(state.estimator_state))
     g = np.asarray(flat_params(grads)[0])
     expected = np.linalg.solve(dense + (d + l2) * np.eye(g.size), g)
     _close(flat_params(updates)[0], expected)
@@ -165,46 +163,27 @@ def _transform(model, batches, loss_fn, **kwargs):
 
 
 def test_inject_hyperparams(getkey):
-    model, batches, loss_fn = _problem(getkey())
+    model, batches, loss_fn = PROBLEM
     params = eqx.filter(model, eqx.is_inexact_array)
-    grads = eqx.filter_grad(loss_fn)(model, batches[0])
+    grads = _grad(model, batches[0])
     key = getkey()
     injected = optax.inject_hyperparams(
         kfac_preconditioner,
         static_args=("loss_fn", "curvature_update_period", "inverse_update_period",
                      "batch_size_extractor"),
-    )(loss_fn, (model, batches[0]), damping=0.05, inverse_update_period=2)
+    )(loss_fn, (model, batches[0]), damping=0.2, inverse_update_period=2)
     state = injected.init(params)
-    state.hyperparams["damping"] = jnp.asarray(0.2)
+    state.hyperparams["damping"] = jnp.asarray(0.05)
     updates, state = jax.jit(injected.update)(grads, state, params, batch=batches[0], key=key)
-    plain = _transform(model, batches, loss_fn, damping=0.2)
+    plain = _transform(model, batches, loss_fn)  # damping 0.05 (its update compiled for the tests below too)
     expected, _ = plain.update(grads, plain.init(params), params, batch=batches[0], key=key)
     _close(flat_params(updates)[0], flat_params(expected)[0])
 
 
-@pytest.mark.parametrize("recipe", [False, True], ids=["kfac_preconditioner", "kfac_optax"])
-def test_eager_updates_compile_once(recipe, getkey, xla_compilations):
-    # Run one operation at a time, the periodic refreshes' while loops compiled at every call.
-    model, batches, loss_fn = _problem(getkey())
-    params = eqx.filter(model, eqx.is_inexact_array)
-    grads = eqx.filter_grad(loss_fn)(model, batches[0])
-    make = eqx_kfac.kfac_optax if recipe else kfac_preconditioner
-    optimizer = make(loss_fn, (model, batches[0]), damping=0.1, inverse_update_period=2)
-    state, key = optimizer.init(params), getkey()
-
-    def updates():
-        s = state
-        for batch in batches:
-            _, s = optimizer.update(grads, s, params, batch=batch, key=key)
-
-    # The update (and at most one more program converting the key's data), for all three.
-    assert xla_compilations(updates) <= 2
-
-
 def test_multi_steps_and_apply_if_finite(getkey):
-    model, batches, loss_fn = _problem(getkey())
+    model, batches, loss_fn = PROBLEM
     params = eqx.filter(model, eqx.is_inexact_array)
-    grads = [eqx.filter_grad(loss_fn)(model, b) for b in batches[:2]]
+    grads = [_grad(model, b) for b in batches[:2]]
     keys = [getkey(), getkey()]
 
     multi = optax.MultiSteps(_transform(model, batches, loss_fn), every_k_schedule=2)
@@ -231,20 +210,20 @@ def test_multi_steps_and_apply_if_finite(getkey):
 
 
 def test_serialisation_round_trip(getkey):
-    model, batches, loss_fn = _problem(getkey())
+    model, batches, loss_fn = PROBLEM
     transform = optax.chain(_transform(model, batches, loss_fn), optax.trace(0.9))
     params = eqx.filter(model, eqx.is_inexact_array)
     state = transform.init(params)
     update = eqx.filter_jit(transform.update)
     for batch in batches[:2]:
-        grads = eqx.filter_grad(loss_fn)(model, batch)
+        grads = _grad(model, batch)
         _, state = update(grads, state, params, batch=batch, key=getkey())
     buffer = io.BytesIO()
     eqx.tree_serialise_leaves(buffer, state)
     buffer.seek(0)
     restored = eqx.tree_deserialise_leaves(buffer, transform.init(params))
     assert bool(eqx.tree_equal(restored, state))
-    grads = eqx.filter_grad(loss_fn)(model, batches[2])
+    grads = _grad(model, batches[2])
     key = getkey()
     a, _ = update(grads, state, params, batch=batches[2], key=key)
     b, _ = update(grads, restored, params, batch=batches[2], key=key)
@@ -252,7 +231,7 @@ def test_serialisation_round_trip(getkey):
 
 
 def test_errors(getkey):
-    model, batches, loss_fn = _problem(getkey())
+    model, batches, loss_fn = PROBLEM
     with pytest.raises(ValueError, match="example_args"):
         kfac_preconditioner(loss_fn, (model,), damping=0.1)
     with pytest.raises(ValueError, match="inverse_update_period"):
@@ -268,3 +247,34 @@ def test_errors(getkey):
         transform.update(params, state, params, batch=batches[0])
     with pytest.raises(ValueError, match="parameters"):
         transform.update(params, state, batch=batches[0], key=getkey())
+
+
+# (Last: counting compilations clears JAX's caches, which the tests above share.)
+
+
+def test_kfac_optax_init_compiles_one_program(xla_compilations):
+    # Built op by op (the momentum, the guard's counters around the preconditioner's state),
+    # every array of a new shape compiles a program of its own: 7 for this MLP that way.
+    model, batches, loss_fn = PROBLEM
+    transform = eqx_kfac.kfac_optax(loss_fn, (model, batches[0]), momentum=0.9)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    assert xla_compilations(lambda: transform.init(params)) == 1
+
+
+@pytest.mark.parametrize("recipe", [False, True], ids=["kfac_preconditioner", "kfac_optax"])
+def test_eager_updates_compile_once(recipe, getkey, xla_compilations):
+    # Run one operation at a time, the periodic refreshes' while loops compiled at every call.
+    model, batches, loss_fn = PROBLEM
+    params = eqx.filter(model, eqx.is_inexact_array)
+    grads = _grad(model, batches[0])
+    make = eqx_kfac.kfac_optax if recipe else kfac_preconditioner
+    optimizer = make(loss_fn, (model, batches[0]), damping=0.1, inverse_update_period=2)
+    state, key = optimizer.init(params), getkey()
+
+    def updates():
+        s = state
+        for batch in batches:
+            _, s = optimizer.update(grads, s, params, batch=batch, key=key)
+
+    # The update (and at most one more program converting the key's data), for all three.
+    assert xla_compilations(updates) <= 2

@@ -56,6 +56,12 @@ def _fresh_dense(est, params, batch, batch_size, key):
     return est.to_dense_matrix(state)
 
 
+@eqx.filter_jit
+def _updated_dense(est, state, ema, batch_size, key, func_args):
+    """The dense curvature of `state` with one batch's statistics folded in (weight 1)."""
+    return est.to_dense_matrix(est.update_curvature_matrix_estimate(state, ema, 1.0, batch_size, key, func_args))
+
+
 def _fresh_curvature(opt, params, batch, batch_size=None, key=jax.random.key(1)):
     """The curvature estimate of one batch alone, from a fresh estimator state."""
     est, _ = opt.estimators((params, batch))
@@ -255,18 +261,39 @@ def test_burn_in_from_a_data_iterator_averages_its_batches():
     assert len(list(iterator)) == 1
 
 
-def test_burn_in_on_the_first_batch_equals_burn_in_from_repeats():
+@pytest.fixture(scope="module")
+def sampled_burnin():
+    """A directly called first step with a sampled burn-in (3 updates, key 5), of an optimizer
+    whose programs nothing compiled before (a loss function of its own), for the two tests below
+    (its programs compiled once for both): `(optimizer, state before, the step's outputs, the
+    names of the optimizer's programs compiled during the step)`."""
+    vg = eqx.filter_value_and_grad(lambda params, batch: PROBLEM.loss_fn(params, batch))  # compiles anew
+    opt = Optimizer(
+        vg, curvature=CurvatureOptions(estimation_mode="fisher_gradients"),
+        refresh=RefreshSchedule(num_burnin_steps=3, inverse_update_period=1), **GIVEN,
+    )
+    state0 = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
+    compiled = []
+
+    def listener(event, seconds, fun_name="", **kwargs):
+        if event.endswith("backend_compile_duration") and "_jitted" in fun_name:
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        out = opt.step(PROBLEM.params, state0, jax.random.key(5), batch=BATCH, learning_rate=LR,
+                       momentum=MOM, damping=DAMP)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return opt, state0, out, compiled
+
+
+def test_burn_in_on_the_first_batch_equals_burn_in_from_repeats(sampled_burnin):
     # Sampled estimation: burn-in updates draw their own keys, so burn-in changes the estimate.
     # (The contract of `batch=`; called directly, it is implemented as repeats of the batch. The
     # same burn-in as a loop inside a user's jit: tests/test_optimizer_purity.py.)
-    opt = Optimizer(
-        VG, curvature=CurvatureOptions(estimation_mode="fisher_gradients"),
-        refresh=RefreshSchedule(num_burnin_steps=3, inverse_update_period=1), **GIVEN,
-    )
+    opt, state0, out_batch, _ = sampled_burnin
     params = PROBLEM.params
-    state0 = opt.init(params, jax.random.key(0), BATCH)
-    out_batch = opt.step(params, state0, jax.random.key(5), batch=BATCH, learning_rate=LR,
-                         momentum=MOM, damping=DAMP)
     out_iter = opt.step(params, state0, jax.random.key(5), data_iterator=itertools.repeat(BATCH),
                         learning_rate=LR, momentum=MOM, damping=DAMP)
     np.testing.assert_allclose(_flat(out_batch[0]), _flat(out_iter[0]), rtol=1e-12)
@@ -277,26 +304,12 @@ def test_burn_in_on_the_first_batch_equals_burn_in_from_repeats():
     assert not np.allclose(single, _dense(opt, params, out_batch[1]))
 
 
-def test_a_direct_first_step_runs_its_burn_in_as_a_program_of_its_own():
+def test_a_direct_first_step_runs_its_burn_in_as_a_program_of_its_own(sampled_burnin):
     # Called directly, the burn-in's updates are one program of their own, called once per update
     # (inside the step's program they are a loop, where XLA:CPU gives convolutions slow generic
     # code), and the step program, compiled once, has no burn-in. Inside a user's jit they are
     # that loop, with the same result (tests/test_optimizer_purity.py).
-    vg = eqx.filter_value_and_grad(lambda params, batch: PROBLEM.loss_fn(params, batch))  # compiles anew
-    opt = Optimizer(vg, refresh=RefreshSchedule(num_burnin_steps=3, inverse_update_period=1), **GIVEN)
-    state0 = opt.init(PROBLEM.params, jax.random.key(0), BATCH)
-    compiled = []
-
-    def listener(event, seconds, fun_name="", **kwargs):
-        if event.endswith("backend_compile_duration") and "_jitted" in fun_name:
-            compiled.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        _, state, _ = opt.step(PROBLEM.params, state0, jax.random.key(3), batch=BATCH,
-                               learning_rate=LR, momentum=MOM, damping=DAMP)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    _, _, (_, state, _), compiled = sampled_burnin
     assert sorted(compiled) == ["jit(_jitted_burnin)", "jit(_jitted_step)"]
     assert int(state.step_counter) == 1
 
@@ -325,6 +338,16 @@ def test_stats_norms_batch_processing_and_batch_size_extractor(exact_run):
             f"{prefix}(layers[{i}].{name})" for i in range(2) for name in ("weight", "bias")}
 
 
+@eqx.filter_jit
+def _logits_jacobian_and_probabilities(params):
+    """The Jacobian of the logits of `BATCH` with respect to the flat parameters, and their
+    softmax probabilities (one program for the tests below)."""
+    flat, unravel = jax.flatten_util.ravel_pytree(eqx.filter(params, eqx.is_inexact_array))
+    static = eqx.filter(params, eqx.is_inexact_array, inverse=True)
+    logits_of = lambda v: jax.vmap(eqx.combine(unravel(v), static))(BATCH[0])  # noqa: E731
+    return jax.jacobian(logits_of)(flat), jax.nn.softmax(logits_of(flat))
+
+
 # Both bounds cases for the momentum, whose bound is active here (the edge of the box) and whose
 # unbounded minimiser is inside; for the learning rate, only unbounded: its default bounds are
 # inactive here, so that case ran the same code (the box's inside) to the same point.
@@ -345,11 +368,7 @@ def test_one_adaptive_coefficient_minimises_the_exact_quadratic_model(adaptive, 
     params1, state, _ = opt.step(params, state, jax.random.key(0), batch=BATCH, **fixed)
     params2, state, stats = opt.step(params1, state, jax.random.key(1), batch=BATCH, **fixed)
     # Brute-force GGN at params1 from jax.jacobian of the logits.
-    flat1, unravel = jax.flatten_util.ravel_pytree(eqx.filter(params1, eqx.is_inexact_array))
-    static = eqx.filter(params1, eqx.is_inexact_array, inverse=True)
-    logits_of = lambda v: jax.vmap(eqx.combine(unravel(v), static))(BATCH[0])  # noqa: E731
-    jac, probs = map(np.asarray, jax.jit(lambda v: (jax.jacobian(logits_of)(v),
-                                                    jax.nn.softmax(logits_of(v))))(flat1))
+    jac, probs = map(np.asarray, _logits_jacobian_and_probabilities(params1))
     ggn = sum(j.T @ (np.diag(p) - np.outer(p, p)) @ j for j, p in zip(jac, probs)) / 5
     velocity = _flat(params1) - _flat(params)
     delta = _flat(params2) - _flat(params1)
@@ -410,13 +429,9 @@ def test_state_for_batch_keeps_the_statistics_for_a_smaller_batch():
 
     estimator = eqx_kfac.BlockDiagonalCurvature(problem.loss_fn, (params, small),
                                                 default_estimation_mode="ggn_exact")
-    reference = estimator.update_curvature_matrix_estimate(
-        state.estimator_state, ema, 1.0, 5, jax.random.key(3), (params, small)
-    )
-    grads = eqx.filter_grad(problem.loss_fn)(params, small)
-    dense = np.asarray(estimator.to_dense_matrix(reference))
-    g = np.asarray(models.flat_params(grads)[0])
+    dense = np.asarray(_updated_dense(estimator, state.estimator_state, ema, 5, jax.random.key(3), (params, small)))
+    g = _flat(eqx.filter_jit(eqx.filter_grad(problem.loss_fn))(params, small))
     expected = -np.linalg.solve(dense + damping * np.eye(len(g)), g)
-    got = np.asarray(models.flat_params(new_params)[0] - models.flat_params(params)[0])
+    got = _flat(new_params) - _flat(params)
     np.testing.assert_allclose(got, expected, rtol=1e-8, atol=1e-12)
     assert int(new_state.step_counter) == 2 and float(stats["batch_size"]) == 5

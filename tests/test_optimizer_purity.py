@@ -19,7 +19,9 @@ from eqx_kfac import (
 )
 
 
-PROBLEM = mlp_classification(jax.random.key(0))
+# One layer: what is checked here (the step's purity and its compilation) is the same for any
+# number of layers, and each of the many programs compiled here compiles faster with one.
+PROBLEM = mlp_classification(jax.random.key(0), sizes=(3, 3))
 BATCH = PROBLEM.batch
 TRACES = []
 
@@ -216,7 +218,8 @@ def test_donating_step_equals_plain_step_and_consumes_its_arguments():
     donating = _optimizer(StepOptions(donate_parameters=True, donate_optimizer_state=True))
     state0 = plain.init(PROBLEM.params, jax.random.key(0), BATCH)
     expected = (PROBLEM.params, state0)
-    copy = jax.tree.map(lambda a: jnp.array(a, copy=True) if eqx.is_array(a) else a, expected)
+    # (Copied by `device_put`, which compiles nothing: `jnp.array` compiles a copy per shape.)
+    copy = jax.tree.map(lambda a: jax.device_put(a, may_alias=False) if eqx.is_array(a) else a, expected)
     params, state = copy
     for i in range(3):
         expected = plain.step(*expected, jax.random.key(i), batch=BATCH)[:2]
@@ -246,7 +249,7 @@ def test_optimizer_holds_no_mutable_state():
 
 def test_init_compiles_one_program_for_the_whole_state(xla_compilations):
     # Built op by op, every array of a new shape in the state (factors, caches, velocities) would
-    # compile a program of its own: 12 for this MLP when `init` built the state eagerly.
+    # compile a program of its own: 12 for a two-layer MLP when `init` built the state eagerly.
     OPT.init(PROBLEM.params, jax.random.key(0), BATCH)  # the estimator, built once
     key = jax.random.key(1)
     count = xla_compilations(lambda: OPT.init(PROBLEM.params, key, BATCH))
@@ -255,47 +258,64 @@ def test_init_compiles_one_program_for_the_whole_state(xla_compilations):
     assert count <= 3, count
 
 
-def test_first_step_compiles_its_program_once_during_the_burn_in():
-    # Called directly, the first step runs its burn-in updates (a program of their own) first;
-    # the step's program is compiled meanwhile in a thread of its own, and not again after.
-    optimizer = _optimizer(curvature_ema=0.9)  # a new configuration: nothing compiled for it yet
-    state = optimizer.init(PROBLEM.params, jax.random.key(0), BATCH)
-    key = jax.random.key(1)
-    compiles = []
-
-    def listener(event, seconds, fun_name="", **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append((threading.current_thread().name, fun_name))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        optimizer.step(PROBLEM.params, state, key, batch=BATCH)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    steps = [thread for thread, name in compiles if "_jitted_step" in name]
-    assert steps == ["eqx_kfac-compile"], compiles
-    assert any("_jitted_burnin" in name for _, name in compiles), compiles
+# Options for XLA:CPU that change nothing here, to tell the step's own options from others.
+FAST_MATH_OFF = {"xla_cpu_enable_fast_math": False}
 
 
-
-@pytest.mark.parametrize("burnin", [2, 11])
-def test_a_short_burnin_compiles_its_update_for_compile_time(monkeypatch, burnin):
-    # The burn-in's update runs `num_burnin_steps` times: at most 10, LLVM does not optimise its
-    # kernels (on top of the step's own options); the step keeps its options either way.
+def _recorded_first_step(optimizer):
+    """The optimizer's first step, called directly: `(compiles, used)`, the (thread, program) of
+    each compilation during the step, and the (function, options) of each program the step asks
+    `compilation._jit` for."""
     from eqx_kfac._optim import compilation
 
-    optimizer = _optimizer(StepOptions(compiler_options={"xla_cpu_enable_fast_math": False}), num_burnin_steps=burnin)
-    used = []
+    state = optimizer.init(PROBLEM.params, jax.random.key(0), BATCH)
+    compiles, used = [], []
     original = compilation._jit
 
     def recording(fn, donate, options):
         used.append((fn.__name__, dict(options)))
         return original(fn, donate, options)
 
-    monkeypatch.setattr(compilation, "_jit", recording)
-    state = optimizer.init(PROBLEM.params, jax.random.key(0), BATCH)
-    optimizer.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH)
-    step = {"xla_cpu_enable_fast_math": False}
+    def listener(event, seconds, fun_name="", **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((threading.current_thread().name, fun_name))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compilation, "_jit", recording)
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            optimizer.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+    return compiles, used
+
+
+@pytest.fixture(scope="module")
+def fresh_first_step():
+    """`_recorded_first_step` of an optimizer nothing compiled before (a new configuration), with a
+    burn-in of 2 updates and the step's compiler options set: its programs are compiled once for
+    the two tests below."""
+    return _recorded_first_step(_optimizer(StepOptions(compiler_options=FAST_MATH_OFF), curvature_ema=0.9))
+
+
+def test_first_step_compiles_its_program_once_during_the_burn_in(fresh_first_step):
+    # Called directly, the first step runs its burn-in updates (a program of their own) first;
+    # the step's program is compiled meanwhile in a thread of its own, and not again after.
+    compiles, _ = fresh_first_step
+    steps = [thread for thread, name in compiles if "_jitted_step" in name]
+    assert steps == ["eqx_kfac-compile"], compiles
+    assert any("_jitted_burnin" in name for _, name in compiles), compiles
+
+
+@pytest.mark.parametrize("burnin", [2, 11])
+def test_a_short_burnin_compiles_its_update_for_compile_time(request, burnin):
+    # The burn-in's update runs `num_burnin_steps` times: at most 10, LLVM does not optimise its
+    # kernels (on top of the step's own options); the step keeps its options either way.
+    if burnin == 2:
+        _, used = request.getfixturevalue("fresh_first_step")
+    else:
+        _, used = _recorded_first_step(_optimizer(StepOptions(compiler_options=FAST_MATH_OFF), num_burnin_steps=burnin))
+    step = FAST_MATH_OFF
     short = {**step, "xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0}
     assert {name for name, _ in used} == {"_jitted_step", "_jitted_burnin"}, used
     assert all(options == step for name, options in used if name == "_jitted_step"), used

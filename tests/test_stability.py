@@ -156,12 +156,14 @@ def test_damping_keeps_still_when_the_change_is_below_the_loss_resolution():
         None, PROBLEM.loss_fn, lambda out: out, eqx_kfac.GivenValues(),
     )
     state = rule.init(jnp.float64)
+    # Compiled, as the step runs it (one program for the three cases, not one per operation).
+    update = eqx.filter_jit(lambda state, outcome: rule.update(state, state.damping, outcome, context))
     for change, new_loss, expected in (
         (-1e-20, loss, 1e-3), (-1e-12, loss, 1e-3), (-1e-12, 2 * loss, 1e-3 / 0.9)
     ):
         outcome = eqx_kfac.StepOutcome(None, None, jnp.asarray(change, jnp.float32), new_loss,
                                        jnp.asarray(True), jnp.asarray(False))
-        new_state, report = rule.update(state, state.damping, outcome, context)
+        new_state, report = update(state, outcome)
         np.testing.assert_allclose(float(report.rho), float((new_loss - loss) / change), rtol=1e-6)
         np.testing.assert_allclose(float(new_state.damping), expected, rtol=1e-12)
 
@@ -304,7 +306,7 @@ def test_a_step_that_raises_the_loss_is_rejected_and_the_damping_raised():
     params, state, stats = opt.step(PROBLEM.params, state, jax.random.key(1), batch=BATCH,
                                     learning_rate=1e4)
     assert bool(stats["rejected"]) and float(stats["new_loss"]) > float(stats["loss"])
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), params, PROBLEM.params))
+    assert jax.tree.all(jax.tree.map(_same, params, PROBLEM.params))
     np.testing.assert_allclose(float(state.damping), 2e-3, rtol=1e-12)
     assert int(state.step_counter) == 1
 
@@ -319,10 +321,12 @@ def test_a_rise_within_rounding_is_not_rejected(dtype):
     within = np.nextafter(loss + dtype(30 * eps * 1.5e-3), np.inf, dtype=dtype)
     beyond = loss + dtype(40 * eps * 1.5e-3)
     assert float(beyond - loss) > 32 * eps * 1.5e-3 > float(within - loss) > 0
-    decisions = [guard.decide(loss, grads, delta, jnp.asarray(new, dtype)) for new in (within, beyond, jnp.nan)]
+    # Compiled, as the step runs them (one program per guard, not one per operation).
+    decide = eqx.filter_jit(lambda guard, new: guard.decide(loss, grads, delta, new))
+    decisions = [decide(guard, jnp.asarray(new, dtype)) for new in (within, beyond, jnp.nan)]
     assert [bool(d.rejected) for d in decisions] == [False, True, True]
     strict = eqx_kfac.StepGuard(reject_loss_increase=True, rounding_tolerance=0.0)
-    assert bool(strict.decide(loss, grads, delta, jnp.asarray(within, dtype)).rejected)
+    assert bool(decide(strict, jnp.asarray(within, dtype)).rejected)
     with pytest.raises(ValueError, match="rounding_tolerance"):
         eqx_kfac.StepGuard(rounding_tolerance=-1.0)
 
@@ -358,7 +362,8 @@ def test_low_precision_parameters_train_and_keep_their_dtype(dtype, adaptive, hy
     grads = eqx.filter_jit(eqx.filter_grad(PROBLEM.loss_fn))(params, batch)
     updates, _ = eqx.filter_jit(transform.update)(grads, transform.init(flat), flat, batch=batch,
                                                   key=jax.random.key(0))
-    assert {x.dtype for x in jax.tree.leaves(optax.apply_updates(flat, updates))} == {jnp.dtype(dtype)}
+    applied = jax.eval_shape(optax.apply_updates, flat, updates)  # (its dtypes, without compiling)
+    assert {x.dtype for x in jax.tree.leaves(applied)} == {jnp.dtype(dtype)}
 
 
 def test_float32_parameters_with_float64_inputs_keep_structured_blocks_and_train():
@@ -461,7 +466,8 @@ def test_suspicious_registrations_warn_and_bad_labels_raise():
         eqx_kfac.kfac_preconditioner(two_losses, (PROBLEM.params, bad), damping=1e-3)
     # In a step (the labels are not known when it is traced), an empirical-Fisher update with
     # the label is not finite and dropped; the label never wraps to the last class.
-    losses = [eqx_kfac.CategoricalLogitsNegativeLogProbLoss(BATCH[0], labels).evaluate()]
+    evaluate = eqx.filter_jit(lambda x, y: eqx_kfac.CategoricalLogitsNegativeLogProbLoss(x, y).evaluate())
+    losses = [evaluate(BATCH[0], labels)]
     assert np.isnan(np.asarray(losses[0][0])) and np.all(np.isfinite(np.asarray(losses[0][1:])))
 
 

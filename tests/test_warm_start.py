@@ -45,20 +45,48 @@ def _arrays(tree):
     return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
 
 
-PARAMS = eqx.nn.MLP(5, 3, 8, 1, key=jax.random.key(0))
+# One layer (`depth=0`): what is checked here is the warm start's course and its references, the
+# same for any number of layers, and each program compiles about a third faster than with two.
+PARAMS = eqx.nn.MLP(5, 3, 8, 0, key=jax.random.key(0))
 KEYS = [jax.random.key(100 + i) for i in range(10)]
+# The tests whose checks do not need programs of their own share one warm start and burn-in (equal
+# optimizers share their compiled programs): more warm steps than burn-in updates, so the burn-in
+# takes the last warm batches. (Those that count compilations or wait for one build their own.)
+ADAM = optax.adam(3e-2)
+WARM_STEPS, BURNIN = 4, 3
 
 
-@pytest.mark.parametrize("steps, burnin", [(4, 2), (1, 3)])
-def test_warm_steps_are_the_transformation_and_burn_in_on_their_batches(steps, burnin):
-    transformation = optax.adam(3e-2)
-    optimizer = _optimizer(eqx_kfac.WarmStart(steps, transformation), burnin)
+def _shared(steps=WARM_STEPS):
+    return _optimizer(eqx_kfac.WarmStart(steps, ADAM), BURNIN)
+
+
+# The references, compiled (one program each instead of one per operation).
+@eqx.filter_jit
+def _reference_step(params, opt_state, batch):
+    """A step of `ADAM` applied by hand: the loss, the new parameters and ADAM's state."""
+    loss, grads = eqx.filter_value_and_grad(_loss)(params, batch)
+    updates, opt_state = ADAM.update(grads, opt_state, eqx.filter(params, eqx.is_inexact_array))
+    return loss, eqx.apply_updates(params, updates), opt_state
+
+
+@eqx.filter_jit
+def _burnin_update(estimator, curvature, key, params, batch):
+    """One burn-in update of the estimator's state: weight 1, 16 examples."""
+    return estimator.update_curvature_matrix_estimate(curvature, 1.0, 1.0, 16, key, (params, batch))
+
+
+# Both sides of the burn-in's split: more warm steps than burn-in updates (the burn-in on the last
+# warm batches), and fewer (the rest of the burn-in at the switch).
+@pytest.mark.parametrize("steps", [WARM_STEPS, 1])
+def test_warm_steps_are_the_transformation_and_burn_in_on_their_batches(steps):
+    burnin = BURNIN
+    optimizer = _shared(steps)
     batches = _batches(steps + 2)
     state0 = optimizer.init(PARAMS, jax.random.key(1), batches[0])
     params, state = PARAMS, state0
     # The reference: optax by hand; the burn-in's updates on the last `burnin` warm batches, at
     # the parameters before each warm step, with that step's keys.
-    ref_params, ref_opt = PARAMS, transformation.init(eqx.filter(PARAMS, eqx.is_inexact_array))
+    ref_params, ref_opt = PARAMS, ADAM.init(eqx.filter(PARAMS, eqx.is_inexact_array))
     estimator = optimizer.estimators((PARAMS, batches[0]))[0]
     ref_curvature = state0.estimator_state
     for i in range(steps):
@@ -68,13 +96,9 @@ def test_warm_steps_are_the_transformation_and_burn_in_on_their_batches(steps, b
         made = i - max(steps - burnin, 0)
         if made >= 0:
             key = burnin_keys(KEYS[i], burnin)[made]
-            ref_curvature = estimator.update_curvature_matrix_estimate(
-                ref_curvature, 1.0, 1.0, 16, key, (ref_params, batches[i])
-            )
-        loss, grads = eqx.filter_value_and_grad(_loss)(ref_params, batches[i])
+            ref_curvature = _burnin_update(estimator, ref_curvature, key, ref_params, batches[i])
+        loss, ref_params, ref_opt = _reference_step(ref_params, ref_opt, batches[i])
         np.testing.assert_allclose(stats["loss"], loss, rtol=1e-12)
-        updates, ref_opt = transformation.update(grads, ref_opt, eqx.filter(ref_params, eqx.is_inexact_array))
-        ref_params = eqx.apply_updates(ref_params, updates)
     for got, want in zip(_arrays(params), _arrays(ref_params)):
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-14)
     for got, want in zip(_arrays(state.estimator_state), _arrays(ref_curvature)):
@@ -90,9 +114,7 @@ def test_warm_steps_are_the_transformation_and_burn_in_on_their_batches(steps, b
         key = burnin_keys(KEYS[steps], burnin)[min(steps, burnin) + made]
         expected_state = eqx.tree_at(
             lambda s: s.estimator_state, expected_state,
-            estimator.update_curvature_matrix_estimate(
-                expected_state.estimator_state, 1.0, 1.0, 16, key, (params, batches[steps])
-            ),
+            _burnin_update(estimator, expected_state.estimator_state, key, params, batches[steps]),
         )
     stepped = eqx.tree_at(lambda s: s.step_counter, expected_state, jnp.ones((), jnp.int32))  # no burn-in there
     expected = plain.step(params, eqx.tree_at(lambda s: s.warm_start_state, stepped, None), KEYS[steps],
@@ -134,13 +156,14 @@ def test_data_iterator_the_burn_in_takes_the_warm_batches():
             drawn.append(b)
             yield b
 
-    optimizer = _optimizer(eqx_kfac.WarmStart(3), burnin=2)
+    optimizer = _shared()
     params, state = PARAMS, optimizer.init(PARAMS, jax.random.key(1), batches[0])
     iterator = feed()
-    for i in range(5):
+    for i in range(WARM_STEPS + 2):
         params, state, stats = optimizer.step(params, state, KEYS[i], data_iterator=iterator, **GIVEN)
-    # 3 warm steps then 2 K-FAC steps: one batch each, no extra burn-in batches.
-    assert len(drawn) == 5 and int(state.step_counter) == 2
+    # 4 warm steps (3 with a burn-in update) then 2 K-FAC steps: one batch each, no extra burn-in
+    # batches.
+    assert len(drawn) == WARM_STEPS + 2 and int(state.step_counter) == 2
 
 
 def test_switch_when_ready_switches_once_compiled():
@@ -159,7 +182,7 @@ def test_switch_when_ready_switches_once_compiled():
 
 
 def test_a_non_finite_warm_step_keeps_the_parameters():
-    optimizer = _optimizer(eqx_kfac.WarmStart(2))
+    optimizer = _shared(1)  # (one warm step, fewer than the burn-in's: it makes a burn-in update too)
     batches = _batches(2)
     state = optimizer.init(PARAMS, jax.random.key(1), batches[0])
     bad = (batches[0][0].at[0, 0].set(jnp.nan), batches[0][1])
@@ -170,7 +193,7 @@ def test_a_non_finite_warm_step_keeps_the_parameters():
 
 
 def test_inside_a_users_jit_the_step_is_kfacs_from_the_start():
-    optimizer = _optimizer(eqx_kfac.WarmStart(5))
+    optimizer = _shared()
     batches = _batches(1)
     state = optimizer.init(PARAMS, jax.random.key(1), batches[0])
     step = eqx.filter_jit(lambda p, s, k, b: optimizer.step(p, s, k, batch=b, **GIVEN))
@@ -179,14 +202,14 @@ def test_inside_a_users_jit_the_step_is_kfacs_from_the_start():
 
 
 def test_a_warm_state_saves_and_loads(tmp_path):
-    optimizer = _optimizer(eqx_kfac.WarmStart(4))
+    optimizer = _shared()  # two of its four warm steps taken: the second with a burn-in update
     batches = _batches(2)
     params, state = PARAMS, optimizer.init(PARAMS, jax.random.key(1), batches[0])
     for i in range(2):
         params, state, _ = optimizer.step(params, state, KEYS[i], batch=batches[i], **GIVEN)
     eqx.tree_serialise_leaves(tmp_path / "s.eqx", state)
     loaded = optimizer.load_state(tmp_path / "s.eqx", PARAMS, jax.random.key(1), batches[0])
-    assert int(loaded.warm_start_state.steps_taken) == 2
+    assert int(loaded.warm_start_state.steps_taken) == 2 and int(loaded.warm_start_state.burnin_updates) == 1
     for a, b in zip(_arrays(loaded), _arrays(state)):
         np.testing.assert_array_equal(a, b)
 
@@ -207,8 +230,8 @@ def test_bad_warm_starts_are_refused(build, error, match):
 
 def test_zero_steps_is_no_warm_start():
     batches = _batches(2)
-    warm = _optimizer(eqx_kfac.WarmStart(0))
-    plain = _optimizer(None)
+    warm = _optimizer(eqx_kfac.WarmStart(0), BURNIN)
+    plain = _optimizer(None, BURNIN)  # (the reference of the switch above too: compiled once)
     outs = []
     for optimizer in (warm, plain):
         state = optimizer.init(PARAMS, jax.random.key(1), batches[0])
