@@ -12,13 +12,19 @@ from eqx_kfac.testing import (
 )
 
 __all__ = [
-    "dense_matpower", "dense_spec", "flat", "generic_spec", "random_data", "random_vector",
+    "dense_matpower", "dense_spec", "flat", "flat_numpy", "generic_spec", "random_data", "random_vector",
     "scale_shift_spec", "unflat",
 ]
 
 
 def flat(vector):
     return jnp.concatenate([jnp.ravel(v) for v in vector])
+
+
+def flat_numpy(vector):
+    """`flat` with NumPy, for concrete arrays outside a trace (`jnp.concatenate` called eagerly
+    compiles a program per combination of shapes)."""
+    return np.concatenate([np.ravel(np.asarray(v)) for v in vector])
 
 
 def unflat(x, shapes):

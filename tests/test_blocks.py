@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from block_helpers import (
     dense_spec,
+    flat_numpy,
     generic_spec,
     random_data,
     random_vector,
@@ -48,15 +49,9 @@ def _eigenvalues_and_dense(block, state):
     return block.eigenvalues(state), block.to_dense_matrix(state)
 
 
-def flat(vector):
-    """The concatenated entries of a tuple of arrays, with NumPy (`jnp.concatenate` would compile
-    a program per combination of shapes)."""
-    return np.concatenate([np.ravel(np.asarray(v)) for v in vector])
-
-
 def close(a, b, rtol=RTOL):
-    a, b = np.asarray(flat(a) if isinstance(a, tuple) else a), np.asarray(
-        flat(b) if isinstance(b, tuple) else b
+    a, b = np.asarray(flat_numpy(a) if isinstance(a, tuple) else a), np.asarray(
+        flat_numpy(b) if isinstance(b, tuple) else b
     )
     scale = max(np.max(np.abs(b), initial=0.0), 1.0)
     np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale)
@@ -203,7 +198,7 @@ def test_zero_size_and_one_by_one_factors(spec, block_cls):
     )
     dense = np.asarray(dense) + 0.5 * np.eye(block.dim)
     for inv in inverses.values():  # exact and approximate, cached
-        close(dense @ np.asarray(flat(inv)), flat(v))
+        close(dense @ np.asarray(flat_numpy(inv)), flat_numpy(v))
     assert eigenvalues.shape == (block.dim,)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state))
 

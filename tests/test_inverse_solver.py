@@ -14,7 +14,7 @@ import eqx_kfac
 from eqx_kfac import kfac_preconditioner
 from eqx_kfac import solve_block
 
-from block_helpers import dense_spec, random_data, random_vector
+from block_helpers import dense_spec, flat_numpy, random_data, random_vector
 from models import flat_params, mlp_classification, mlp_regression
 
 EXACT_SOLVERS = (
@@ -24,12 +24,6 @@ EXACT_SOLVERS = (
     lx.LU(),
 )
 BLOCKS = (eqx_kfac.DenseFull, eqx_kfac.DenseTwoKroneckerFactored)
-
-
-def flat(vector):
-    """The concatenated entries of a tuple of arrays, with NumPy (`jnp.concatenate` would compile
-    a program per combination of shapes)."""
-    return np.concatenate([np.ravel(np.asarray(v)) for v in vector])
 
 
 def _close(actual, expected, rtol=1e-8, atol=1e-10):
@@ -49,7 +43,7 @@ def _updated(block, data, exact=None, approx=None):
 
 def _dense_solve(dense, vector, damping):
     dense = np.asarray(dense)
-    return np.linalg.solve(dense + damping * np.eye(dense.shape[0]), np.asarray(flat(vector)))
+    return np.linalg.solve(dense + damping * np.eye(dense.shape[0]), np.asarray(flat_numpy(vector)))
 
 
 def _inverses(block, state, vector, damping, exact_power):
@@ -89,10 +83,10 @@ def test_exact_solvers_agree_with_default_exact_inverse(cls, n_in, n_out, stack,
     blocks = tuple(cls(spec, solver=solver) for solver in EXACT_SOLVERS + (lx.Cholesky(),))
     dense, own, results = _exact_inverses(default, blocks, data, vector, np.float64(damping))
     reference = _dense_solve(dense, vector, damping)
-    _close(flat(own), reference)
+    _close(flat_numpy(own), reference)
     for result in results:
         assert [r.shape for r in result] == [v.shape for v in vector]
-        _close(flat(result), reference)
+        _close(flat_numpy(result), reference)
 
 
 @eqx.filter_jit
@@ -113,15 +107,15 @@ def test_pi_adjusted_solver_agrees_with_default_approximate_inverse():
             vector = random_vector(default, jax.random.key(5))
             dense, expected, got = _pi_adjusted_inverses(default, block, data, vector)
             for g in got:
-                _close(flat(g), flat(expected))
+                _close(flat_numpy(g), flat_numpy(expected))
             exact = _dense_solve(dense, vector, 0.1)
             if cls is eqx_kfac.DenseFull:
                 # One factor: pi-adjusted damping is exact.
-                _close(flat(expected), exact)
+                _close(flat_numpy(expected), exact)
             else:
                 # The approximation differs from the exact inverse for two factors, so the
                 # check above can fail.
-                assert not np.allclose(flat(expected), exact, rtol=1e-6)
+                assert not np.allclose(flat_numpy(expected), exact, rtol=1e-6)
 
 
 @eqx.filter_jit
@@ -150,8 +144,8 @@ def test_other_powers_keep_their_own_method():
         vector = random_vector(block, jax.random.key(2))
         products, inverse, dense = _other_powers(default, block, data, vector)
         for a, b in products:  # powers -0.5 (cached) and 1
-            _close(flat(a), flat(b))
-        _close(flat(inverse), _dense_solve(dense, vector, 0.2))
+            _close(flat_numpy(a), flat_numpy(b))
+        _close(flat_numpy(inverse), _dense_solve(dense, vector, 0.2))
 
 
 @eqx.filter_jit
@@ -171,8 +165,8 @@ def test_failed_solve_gives_nans():
     vector = random_vector(block, jax.random.key(1))
     failed, result = _failed_and_converged(block, good, data, vector)
     for f in failed:
-        assert np.all(np.isnan(flat(f)))
-    assert np.all(np.isfinite(flat(result)))
+        assert np.all(np.isnan(flat_numpy(f)))
+    assert np.all(np.isfinite(flat_numpy(result)))
 
 
 def test_solver_field_is_keyword_only_and_static():
@@ -203,7 +197,7 @@ def test_solve_block_uses_the_blocks_solver():
     vector = random_vector(block, jax.random.key(4))
     default = eqx_kfac.DenseTwoKroneckerFactored(spec)
     got, expected = _solve_and_default(block, default, state, vector)
-    _close(flat(got), flat(expected))
+    _close(flat_numpy(got), flat_numpy(expected))
 
 
 def _estimator(problem, **kwargs):
