@@ -91,22 +91,36 @@ def _products(loss, vector, u):
     return product, factor_product, transpose, again, bu, loss.evaluate()
 
 
+def _per_example(fn, batch_axes):
+    """`fn`'s per-example values and Hessians (with respect to its first argument), over
+    `batch_axes` leading axes, in one program (eagerly, a program per operation)."""
+    value, hessian = fn, jax.hessian(fn)
+    for _ in range(batch_axes):
+        value, hessian = jax.vmap(value), jax.vmap(hessian)
+    return jax.jit(lambda *args: (value(*args), hessian(*args)))
+
+
 def test_products_match_per_example_hessian(getkey):
     # Two batch axes (batch, positions): every position is an example of its own.
     outputs = jax.random.normal(getkey(), (3, 2, 4))
     targets = jax.random.normal(getkey(), (3, 2, 4))
     loss = CustomLoss(outputs, huber, targets, weight=1.5)
-    hessians = jax.vmap(jax.vmap(jax.hessian(huber)))(outputs, targets)
+    huber_values, hessians = map(np.asarray, _per_example(huber, 2)(outputs, targets))
     vector = jax.random.normal(getkey(), outputs.shape)
     u = jax.random.normal(getkey(), outputs.shape)
-    product, factor_product, transpose, again, bu, values = _products(loss, vector, u)
+    product, factor_product, transpose, again, bu, values = map(np.asarray, _products(loss, vector, u))
 
-    _close(product, 1.5 * jnp.einsum("abij,abj->abi", hessians, vector))
+    _close(product, 1.5 * np.einsum("abij,abj->abi", hessians, vector))
     _close(again, product)
     # `Bᵀ` is the transpose of `B`: <B u, v> = <u, Bᵀ v>.
-    _close(jnp.vdot(bu, vector), jnp.vdot(u, transpose))
+    _close(np.vdot(bu, vector), np.vdot(u, transpose))
     assert factor_product.shape == outputs.shape
-    _close(values, 1.5 * jax.vmap(jax.vmap(huber))(outputs, targets))
+    _close(values, 1.5 * huber_values)
+
+
+@jax.jit
+def _product_and_values(loss, vector):
+    return loss.multiply_ggn((vector,))[0], loss.evaluate()
 
 
 def test_without_targets(getkey):
@@ -116,10 +130,10 @@ def test_without_targets(getkey):
     outputs = jax.random.normal(getkey(), (4, 3))
     loss = CustomLoss(outputs, log_cosh_norm)
     vector = jax.random.normal(getkey(), outputs.shape)
-    (product,) = loss.multiply_ggn((vector,))
-    hessians = jax.vmap(jax.hessian(log_cosh_norm))(outputs)
-    _close(product, jnp.einsum("bij,bj->bi", hessians, vector))
-    _close(loss.evaluate(), jax.vmap(log_cosh_norm)(outputs))
+    product, values = _product_and_values(loss, vector)
+    expected_values, hessians = _per_example(log_cosh_norm, 1)(outputs)
+    _close(product, np.einsum("bij,bj->bi", hessians, vector))
+    _close(values, expected_values)
 
 
 def _concave(output, target):
@@ -131,12 +145,14 @@ def test_negative_curvature_clip_warn_raise(getkey, caplog):
     targets = jnp.zeros((2, 3))
     vector = jax.random.normal(getkey(), outputs.shape)
 
+    # Compiled, a program per loss: eagerly, each product compiled a program per operation.
+    multiply_ggn = jax.jit(lambda l, v: l.multiply_ggn((v,)))
     clipped = CustomLoss(outputs, _concave, targets, negative_curvature="clip")
-    _close(clipped.multiply_ggn((vector,))[0], jnp.zeros_like(vector))
+    _close(multiply_ggn(clipped, vector)[0], jnp.zeros_like(vector))
 
     warned = CustomLoss(outputs, _concave, targets, negative_curvature="warn")
     with caplog.at_level(logging.WARNING, logger="eqx_kfac"):
-        result = jax.jit(lambda l, v: l.multiply_ggn((v,)))(warned, vector)
+        result = multiply_ggn(warned, vector)
         jax.effects_barrier()
     _close(result[0], jnp.zeros_like(vector))
     assert "not convex" in caplog.text and "_concave" in caplog.text
@@ -144,13 +160,13 @@ def test_negative_curvature_clip_warn_raise(getkey, caplog):
     caplog.clear()
     convex = CustomLoss(outputs, squared_error, targets, negative_curvature="warn")
     with caplog.at_level(logging.WARNING, logger="eqx_kfac"):
-        convex.multiply_ggn((vector,))
+        multiply_ggn(convex, vector)
         jax.effects_barrier()
     assert "not convex" not in caplog.text
 
     raising = CustomLoss(outputs, _concave, targets, negative_curvature="raise")
     with pytest.raises(Exception, match="not convex"):
-        jax.block_until_ready(jax.jit(lambda l, v: l.multiply_ggn((v,)))(raising, vector))
+        jax.block_until_ready(multiply_ggn(raising, vector))
 
 
 def test_fisher_modes_raise(getkey):
@@ -195,10 +211,15 @@ def test_huber_regression_trains_with_kfac(getkey):
     )
     batch = (x, y)
     state = optimizer.init(model, getkey(), batch)
-    start = float(loss(model, batch))
-    for _ in range(25):
-        model, state, stats = optimizer.step(
-            model, state, getkey(), batch=batch, learning_rate=0.5, momentum=0.0, damping=0.1
+    value = eqx.filter_jit(loss)  # eagerly: a program per operation
+    # Inside a jit, the burn-in is part of the step: one program (called directly, two).
+    step = eqx.filter_jit(
+        lambda model, state, key: optimizer.step(
+            model, state, key, batch=batch, learning_rate=0.5, momentum=0.0, damping=0.1
         )
+    )
+    start = float(value(model, batch))
+    for _ in range(25):
+        model, state, stats = step(model, state, getkey())
         assert not bool(stats["skipped"])
-    assert float(loss(model, batch)) < 0.1 * start
+    assert float(value(model, batch)) < 0.1 * start

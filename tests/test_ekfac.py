@@ -277,7 +277,7 @@ def _kfac_damped_direction(damping, mode):
     problem = models.mlp_classification(jax.random.key(1), sizes=(3, 4, 3), batch=6)
     kfac = BlockDiagonalCurvature(problem.loss_fn, problem.func_args, default_estimation_mode=mode)
     dense = np.asarray(_fresh_dense_matrix(kfac, problem.func_args, 6, jax.random.key(2)))
-    grads = eqx.filter_grad(problem.loss_fn)(problem.params, problem.batch)
+    grads = eqx.filter_jit(eqx.filter_grad(problem.loss_fn))(problem.params, problem.batch)
     flat_grads, _ = models.flat_params(grads)
     return problem, grads, np.linalg.solve(dense + damping * np.eye(len(dense)), np.asarray(flat_grads))
 

@@ -62,9 +62,28 @@ def _embed_model(library, ids):
     """`(apply, params, table path)` of an embedding followed by a linear readout."""
     if library == "flax":
         model = _FlaxEmbedReadout()
-        return model.apply, _float64(model.init(jax.random.key(0), ids)), "['embedding']"
-    transformed = hk.without_apply_rng(hk.transform(_haiku_embed_readout))
-    return transformed.apply, _float64(transformed.init(jax.random.key(0), ids)), "['embeddings']"
+        init, apply, table_path = model.init, model.apply, "['embedding']"
+    else:
+        transformed = hk.without_apply_rng(hk.transform(_haiku_embed_readout))
+        init, apply, table_path = transformed.init, transformed.apply, "['embeddings']"
+    # Compiled: an eager `init` compiles a program per operation.
+    return apply, jax.jit(lambda k, ids: _float64(init(k, ids)))(jax.random.key(0), ids), table_path
+
+
+def _table_jacobian(apply, table_path):
+    """`(params, ids) ->` the Jacobian of the model's outputs with respect to its table."""
+
+    def jacobian(params, ids):
+        def outputs_of_table(table):
+            p = jax.tree_util.tree_map_with_path(
+                lambda path, leaf: table if table_path in jax.tree_util.keystr(path) else leaf, params
+            )
+            return apply(p, ids).reshape(-1)
+
+        (table,) = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params) if table_path in jax.tree_util.keystr(path)]
+        return jax.jacobian(outputs_of_table)(table)
+
+    return jacobian
 
 
 @pytest.mark.parametrize("ids_shape", [(BATCH,), (BATCH, 3), (BATCH, 2, 3)], ids=["tokens", "sequences", "grids"])
@@ -74,21 +93,14 @@ def test_embedding_block_equals_exact_ggn(library, ids_shape, getkey):
     # diag(token counts / B) ⊗ W Wᵀ: K-FAC's embedding block is exact.
     ids = jax.random.randint(getkey(), ids_shape, 0, VOCAB - 1)  # the last token never appears
     apply, params, table_path = _embed_model(library, ids)
-    loss = _squared_error(apply)
-    estimator, matrices = _dense_blocks(loss, params, ids)
+    estimator, matrices = _dense_blocks(_squared_error(apply), params, ids)
     registrations = estimator.registrations()
     assert {r.tag for r in registrations.values()} == {"embedding", "dense"}
     block, matrix = _block_of(estimator, matrices, table_path)
     assert type(block).__name__ == "EmbeddingKroneckerFactored"
     assert block.spec.origin == {"flax": "embedding_take", "haiku": "embedding_index"}[library]
-
-    (table_leaf,) = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params) if table_path in jax.tree_util.keystr(path)]
-
-    def outputs_of_table(table):
-        p = jax.tree.map(lambda leaf: table if leaf is table_leaf else leaf, params)
-        return apply(p, ids).reshape(-1)
-
-    jacobian = np.asarray(jax.jacobian(outputs_of_table)(table_leaf)).reshape(-1, VOCAB * FEATURES)
+    # Compiled: eagerly, the Jacobian compiled a program per operation.
+    jacobian = np.asarray(jax.jit(_table_jacobian(apply, table_path))(params, ids)).reshape(-1, VOCAB * FEATURES)
     np.testing.assert_allclose(matrix, jacobian.T @ jacobian / BATCH, rtol=1e-10, atol=1e-12)
     counts = np.bincount(np.asarray(ids).reshape(-1), minlength=VOCAB)
     readout = np.asarray(params["params"]["Dense_0"]["kernel"] if library == "flax" else params["linear"]["w"])
@@ -110,30 +122,54 @@ def _new_h(z, c):
     return jax.nn.sigmoid(z["o"]) * jnp.tanh(new_c)
 
 
-def test_optimized_lstm_cell_gates_are_dense_blocks_with_hand_built_factors(getkey):
-    cell = nn.OptimizedLSTMCell(HIDDEN)
-    x = jax.random.normal(getkey(), (BATCH, FEATURES))
-    c, h = jax.random.normal(getkey(), (BATCH, HIDDEN)), jax.random.normal(getkey(), (BATCH, HIDDEN))
-    params = _float64(cell.init(jax.random.key(0), (c, h), x))
-    params = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(getkey(), a.shape), params)  # nonzero biases
-    loss = _squared_error(lambda p, batch: cell.apply(p, batch[1:], batch[0])[1])
-    estimator, matrices = _dense_blocks(loss, params, (x, c, h))
-    z, new_h = _cell_by_hand(params, x, c, h)
-    np.testing.assert_allclose(cell.apply(params, (c, h), x)[1], new_h, rtol=1e-12)
-    for gate in GATES:
-        # Output tangents of the gate's pre-activation: one column per output of the loss.
-        def per_example(zg, k):
-            return _new_h({**{g: z[g][k] for g in GATES}, gate: zg}, c[k])
+_CELL = nn.OptimizedLSTMCell(HIDDEN)
 
-        jacobians = np.stack([np.asarray(jax.jacobian(per_example)(z[gate][k], k)) for k in range(BATCH)])
-        g_factor = np.einsum("bvi,bvj->ij", jacobians, jacobians) / BATCH
+
+@jax.jit
+def _cell_inputs_and_params(key):
+    """The cell's inputs `(x, c, h)` and its parameters moved off their initial values (nonzero
+    biases), drawn in one compiled program."""
+    kx, kc, kh, kp = jax.random.split(key, 4)
+    x = jax.random.normal(kx, (BATCH, FEATURES))
+    c, h = jax.random.normal(kc, (BATCH, HIDDEN)), jax.random.normal(kh, (BATCH, HIDDEN))
+    params = _float64(_CELL.init(jax.random.key(0), (c, h), x))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(kp, len(leaves))
+    return (x, c, h), jax.tree.unflatten(treedef, [a + 0.3 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
+
+
+@jax.jit  # eagerly: a program per operation
+def _gate_output_factors(params, batch):
+    """The cell's new `h` by Flax and by hand, and each gate's output factor: the mean outer
+    product of the Jacobians of the new `h` with respect to the gate's pre-activation (the output
+    tangents, one column per output of the loss), example by example."""
+    x, c, h = batch
+    z, new_h = _cell_by_hand(params, x, c, h)
+    factors = {}
+    for gate in GATES:
+        def per_example(zg, z_k, c_k, gate=gate):
+            return _new_h({**z_k, gate: zg}, c_k)
+
+        jacobians = jax.vmap(jax.jacobian(per_example))(z[gate], z, c)
+        factors[gate] = jnp.einsum("bvi,bvj->ij", jacobians, jacobians) / BATCH
+    return _CELL.apply(params, (c, h), x)[1], new_h, factors
+
+
+def test_optimized_lstm_cell_gates_are_dense_blocks_with_hand_built_factors(getkey):
+    (x, c, h), params = _cell_inputs_and_params(getkey())
+    loss = _squared_error(lambda p, batch: _CELL.apply(p, batch[1:], batch[0])[1])
+    estimator, matrices = _dense_blocks(loss, params, (x, c, h))
+    flax_h, new_h, g_factors = _gate_output_factors(params, (x, c, h))
+    np.testing.assert_allclose(flax_h, new_h, rtol=1e-12)
+    for gate in GATES:
         for prefix, inputs in (("i", x), ("h", h)):
             block, matrix = _block_of(estimator, matrices, f"['{prefix}{gate}']")
             assert type(block).__name__ == "DenseTwoKroneckerFactored"
+            inputs = np.asarray(inputs)
             if prefix == "h":  # with the bias: a 1 appended to the inputs
-                inputs = jnp.concatenate([inputs, jnp.ones((BATCH, 1))], axis=1)
-            a_factor = np.asarray(inputs).T @ np.asarray(inputs) / BATCH
-            np.testing.assert_allclose(matrix, np.kron(a_factor, g_factor), rtol=1e-10, atol=1e-12)
+                inputs = np.concatenate([inputs, np.ones((BATCH, 1))], axis=1)
+            a_factor = inputs.T @ inputs / BATCH
+            np.testing.assert_allclose(matrix, np.kron(a_factor, np.asarray(g_factors[gate])), rtol=1e-10, atol=1e-12)
 
 
 class _SequenceClassifier(nn.Module):
@@ -163,7 +199,7 @@ def _classification_loss(apply):
 def test_haiku_lstm_has_no_generic_blocks(getkey):
     ids = jax.random.randint(getkey(), (BATCH, 4), 0, VOCAB)
     transformed = hk.without_apply_rng(hk.transform(_haiku_lstm))
-    params = transformed.init(jax.random.key(0), ids)
+    params = jax.jit(transformed.init)(jax.random.key(0), ids)  # eagerly: a program per operation
     loss = _classification_loss(transformed.apply)
     labels = jnp.zeros((BATCH,), jnp.int32)
     registrations = eqx_kfac.BlockDiagonalCurvature(loss, (params, (ids, labels))).registrations()
@@ -180,7 +216,7 @@ def test_kfac_optax_trains_a_flax_sequence_classifier(getkey):
     ids = jax.random.randint(getkey(), (16, 5), 0, VOCAB)
     labels = (ids[:, 0] % OUT).astype(jnp.int32)  # the class is given by the first token
     model = _SequenceClassifier()
-    params = model.init(jax.random.key(0), ids)
+    params = jax.jit(model.init)(jax.random.key(0), ids)  # eagerly: a program per operation
     loss = _classification_loss(model.apply)
     batch = (ids, labels)
     registrations = eqx_kfac.BlockDiagonalCurvature(loss, (params, batch)).registrations()
@@ -197,7 +233,8 @@ def test_kfac_optax_trains_a_flax_sequence_classifier(getkey):
         updates, state = optimizer.update(grads, state, params, batch=batch, key=key)
         return optax.apply_updates(params, updates), state, value
 
-    first = loss(params, batch)
+    value = jax.jit(loss)  # eagerly: a program per operation
+    first = value(params, batch)
     for k in range(8):
         params, state, _ = step(params, state, jax.random.key(k))
-    assert loss(params, batch) < 0.75 * first
+    assert value(params, batch) < 0.75 * first

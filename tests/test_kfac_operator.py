@@ -17,6 +17,14 @@ def _regression(key, sizes=(3, 4, 2), batch=6):
     return models.mlp_regression(key, sizes=sizes, batch=batch)
 
 
+@pytest.fixture(scope="module")
+def regression():
+    """A regression MLP and its type-2 operator, shared by the tests that take it as it is (built
+    once: each build traces the loss and compiles the accumulation again)."""
+    problem = _regression(jax.random.key(0))
+    return problem, kfac_linear_operator(problem.loss_fn, problem.params, [problem.batch], fisher_type="type-2")
+
+
 def _split(batch, sizes):
     edges = np.cumsum(sizes)[:-1]
     return [tuple(part) for part in zip(*(np.split(np.asarray(a), edges) for a in batch))]
@@ -29,9 +37,8 @@ def _per_block_mask(operator):
     return mask
 
 
-def test_spectral_functions_and_solves_equal_numpy(getkey):
-    problem = _regression(getkey())
-    base = kfac_linear_operator(problem.loss_fn, problem.params, [problem.batch], fisher_type="type-2")
+def test_spectral_functions_and_solves_equal_numpy(regression, getkey):
+    problem, base = regression
     operator = base.scaled(7.0).damped(0.05)
     dense = np.asarray(operator.as_matrix())
     np.testing.assert_allclose(dense, models.dense_from_products(operator.mv, problem.params), rtol=1e-10, atol=1e-13)
@@ -44,34 +51,24 @@ def test_spectral_functions_and_solves_equal_numpy(getkey):
     np.testing.assert_allclose(got, expected, rtol=1e-8)
     np.testing.assert_allclose(np.sort(operator.eigenvalues()), np.linalg.eigvalsh(dense), rtol=1e-8, atol=1e-12)
     v = jax.random.normal(getkey(), (len(dense),))
-    _, unravel = models.flat_params(problem.params)
-    vector = eqx.filter(unravel(v), eqx.is_inexact_array)
-    for extra in (0.0, 0.3):
-        inverse = operator.inverse(extra, use_exact_damping=True)
-        expected = np.linalg.solve(dense + extra * np.eye(len(dense)), v)
-        np.testing.assert_allclose(models.flat_params(inverse.mv(vector))[0], expected, rtol=1e-8)
+    inverses, solution = _solves(operator, problem.params, v)
+    for extra, got in zip((0.0, 0.3), inverses):
+        np.testing.assert_allclose(got, np.linalg.solve(dense + extra * np.eye(len(dense)), v), rtol=1e-8)
     # lineax sees a symmetric positive definite operator and can solve with it directly.
     assert lx.is_symmetric(operator) and lx.is_positive_semidefinite(operator)
-    solution = lx.linear_solve(operator, vector, lx.CG(rtol=1e-12, atol=1e-12)).value
-    np.testing.assert_allclose(models.flat_params(solution)[0], np.linalg.solve(dense, v), rtol=1e-7)
+    np.testing.assert_allclose(solution, np.linalg.solve(dense, v), rtol=1e-7)
 
 
-def test_eager_methods_compile_one_program_each(getkey, xla_compilations):
-    problem = _regression(getkey())
-    operator = kfac_linear_operator(problem.loss_fn, problem.params, [problem.batch], fisher_type="type-2")
-    vector, key = eqx.filter(problem.params, eqx.is_inexact_array), getkey()
-
-    def calls():
-        operator.eigenvalues()
-        eqx_kfac.logdet(operator)
-        # A new damping or prior precision is an argument of the same program, not a new one.
-        for value in (0.3, 0.7):
-            operator.inverse(value).mv(vector)
-            operator.sample(key, value)
-
-    # One program each for eigenvalues, logdet, inverse, its product and sample, and at most
-    # two more converting Python numbers to arrays. (One operation at a time: about 150.)
-    assert xla_compilations(calls) <= 7
+@eqx.filter_jit
+def _solves(operator, params, v):
+    """`(K + extra I)⁻¹ v` by the exactly damped inverse for extra 0 and 0.3, and lineax's CG
+    solve of `K x = v`, as flat vectors, in one program (eagerly, the conversions between flat
+    vectors and parameters compiled a program per operation)."""
+    _, unravel = models.flat_params(params)
+    vector = eqx.filter(unravel(v), eqx.is_inexact_array)
+    flat = lambda tree: models.flat_params(tree)[0]  # noqa: E731
+    inverses = [flat(operator.inverse(extra, use_exact_damping=True).mv(vector)) for extra in (0.0, 0.3)]
+    return inverses, flat(lx.linear_solve(operator, vector, lx.CG(rtol=1e-12, atol=1e-12)).value)
 
 
 @eqx.filter_jit
@@ -111,15 +108,14 @@ def test_empirical_fisher_is_the_mean_gradient_outer_product(getkey):
     def example_loss(p, xb, yb):
         return problem.summed_loss(problem.outputs_fn(unflatten(p), xb[None]), (xb[None], yb[None]))
 
-    grads = np.asarray(jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0))(p0, x, y))
+    grads = np.asarray(jax.jit(jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0)))(p0, x, y))
     expected = grads.T @ grads / len(grads)
     np.testing.assert_allclose(operator.as_matrix(), np.where(_per_block_mask(operator), expected, 0.0), rtol=1e-8, atol=1e-12)
 
 
-def test_forward_only_keeps_input_factors_and_uses_identity_output_factors(getkey):
-    problem = _regression(getkey())
+def test_forward_only_keeps_input_factors_and_uses_identity_output_factors(regression):
+    problem, exact = regression
     forward = kfac_linear_operator(problem.loss_fn, problem.params, [problem.batch], fisher_type="forward-only")
-    exact = kfac_linear_operator(problem.loss_fn, problem.params, [problem.batch], fisher_type="type-2")
     for fwd, ref in zip(forward.state.block_states, exact.state.block_states):
         a, g = (f.value for f in fwd.factors)
         np.testing.assert_allclose(a, ref.factors[0].value, rtol=1e-12)
@@ -170,7 +166,7 @@ def test_samples_have_the_laplace_covariance(getkey):
     prior = 0.5
     n = 20_000
     samples = eqx.filter_jit(lambda op, k: op.sample(k, prior, num_samples=n))(operator, getkey())
-    flat = np.asarray(jax.vmap(lambda s: models.flat_params(s)[0])(samples))
+    flat = np.asarray(jax.jit(jax.vmap(lambda s: models.flat_params(s)[0]))(samples))
     covariance = np.linalg.inv(np.asarray(operator.as_matrix()) + prior * np.eye(flat.shape[1]))
     # Sample moments of a Gaussian: var(mean_i) = Σ_ii / n, var(cov_ij) = (Σ_ii Σ_jj + Σ_ij²) / n.
     variances = np.diag(covariance)
@@ -180,9 +176,8 @@ def test_samples_have_the_laplace_covariance(getkey):
     assert np.all(np.abs(empirical - covariance) < tolerance), np.max(np.abs(empirical - covariance) / tolerance)
 
 
-def test_operator_from_an_estimator_and_errors(getkey):
-    problem = _regression(getkey())
-    built = kfac_linear_operator(problem.loss_fn, problem.params, [problem.batch], fisher_type="type-2")
+def test_operator_from_an_estimator_and_errors(regression):
+    problem, built = regression
     direct = KFACLinearOperator(built.estimator, built.state)
     np.testing.assert_allclose(direct.as_matrix(), built.estimator.to_dense_matrix(built.state), rtol=1e-12)
     with pytest.raises(ValueError, match="Unknown fisher_type"):
@@ -195,3 +190,22 @@ def test_operator_from_an_estimator_and_errors(getkey):
         built.inverse(0.1, use_heuristic_damping=True, use_exact_damping=True)
     with pytest.raises(ValueError, match="no batch"):
         kfac_linear_operator(problem.loss_fn, problem.params, [], fisher_type="type-2")
+
+
+# Last in the module: it clears JAX's caches, so the tests after it would compile again what the
+# tests before it compiled.
+def test_eager_methods_compile_one_program_each(regression, getkey, xla_compilations):
+    problem, operator = regression
+    vector, key = eqx.filter(problem.params, eqx.is_inexact_array), getkey()
+
+    def calls():
+        operator.eigenvalues()
+        eqx_kfac.logdet(operator)
+        # A new damping or prior precision is an argument of the same program, not a new one.
+        for value in (0.3, 0.7):
+            operator.inverse(value).mv(vector)
+            operator.sample(key, value)
+
+    # One program each for eigenvalues, logdet, inverse, its product and sample, and at most
+    # two more converting Python numbers to arrays. (One operation at a time: about 150.)
+    assert xla_compilations(calls) <= 7

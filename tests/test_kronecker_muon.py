@@ -21,7 +21,7 @@ import eqx_kfac
 from test_parts_both_paths import (
     _assert_same_models, _assert_steps, _factors, _from_array, _gradient, _split, _to_array,
     BATCH, CURVATURE, EVERY_OTHER_STEP, LAYERS, LR, MODEL, loss_fn, optax_step, run_optax, run_optimizer,
-    STEPS,
+    STEPS, value_and_grad,
 )
 
 BETA, DELTA, POWER = 0.9, 0.3, 0.5
@@ -136,10 +136,14 @@ def tagger_loss(model, batch):
     return jnp.mean(jnp.sum((prediction - batch[1]) ** 2, axis=-1))
 
 
+# Compiled once: run eagerly, every operation of the loss and its gradient compiled a program.
+_tagger_value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(tagger_loss))
+
+
 def _run(update, opt_state, model=TAGGER, steps=STEPS):
     models = [model]
     for i in range(steps):
-        loss, grads = eqx.filter_value_and_grad(tagger_loss)(model, TOKENS)
+        loss, grads = _tagger_value_and_grad(model, TOKENS)
         updates, opt_state = update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array), loss, i)
         model = eqx.apply_updates(model, updates)
         models.append(model)
@@ -149,7 +153,9 @@ def _run(update, opt_state, model=TAGGER, steps=STEPS):
 def test_kronecker_muon_at_power_zero_is_optax_muon():
     direction = eqx_kfac.KroneckerMuon(power=0.0)
     muon = optax.contrib.muon(LR, muon_weight_dimension_numbers=_dimension_numbers)
-    reference = _run(lambda g, s, p, loss, i: muon.update(g, s, p), muon.init(eqx.filter(TAGGER, eqx.is_inexact_array)))
+    # Compiled: eagerly, Muon's Newton-Schulz iterations compiled a program per operation.
+    muon_update = jax.jit(muon.update)
+    reference = _run(lambda g, s, p, loss, i: muon_update(g, s, p), muon.init(eqx.filter(TAGGER, eqx.is_inexact_array)))
     transform = eqx_kfac.kfac_optax(
         tagger_loss, (TAGGER, TOKENS), learning_rate=LR, momentum=None, curvature=CURVATURE,
         refresh=EVERY_OTHER_STEP, direction=direction,
@@ -217,7 +223,7 @@ def test_bfloat16_parameters_keep_their_dtype_with_float32_statistics_and_follow
     # The bf16 run lowers the (float64) loss as much as the float64 run, to 1% of the decrease
     # (measured: 0.3%), and moves the parameters the same way to 10% (measured: 4.6% and 1.5%;
     # a step of ~0.015 on weights of ~0.5, whose bf16 spacing is ~0.002, rounds at ~10% per entry).
-    start, loss = _to_flat(MODEL), lambda m: float(loss_fn(_cast(m, jnp.float64), BATCH))
+    start, loss = _to_flat(MODEL), lambda m: float(value_and_grad(_cast(m, jnp.float64), BATCH)[0])
     moved, exact = _to_flat(model) - _to_flat(low_model), _to_flat(runs["f64"][0]) - start
     assert np.linalg.norm(moved - exact) <= 0.1 * np.linalg.norm(exact)
     decrease = loss(MODEL) - loss(runs["f64"][0])

@@ -52,11 +52,13 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), np.finfo(float).tiny)
 
 
-# Eager JAX compiles every operation once per shape, so shapes come from a small set (sizes 0
-# and 1, one to three factors) that later examples reuse; values and dampings vary freely.
+# Every shape is a program of its own (traced and compiled), so shapes come from a small set
+# that later examples reuse: one, two and three factors, one of size 1, and an empty product
+# (the functions under test treat a factor of size 1 like any other); values and dampings vary
+# freely.
 seeds = st.integers(0, 2**32 - 1)
-positive_dims = st.sampled_from([(3,), (2, 3), (3, 1), (1, 2, 2), (2, 1, 3)])
-dims = st.one_of(positive_dims, st.sampled_from([(0,), (0, 2)]))
+positive_dims = st.sampled_from([(3,), (2, 3), (2, 1, 3)])
+dims = st.one_of(positive_dims, st.just((0, 2)))
 dampings = st.floats(-6.0, 3.0).map(lambda e: 10.0**e)
 rect_shapes = st.sampled_from([((2, 3),), ((3, 2), (1, 2)), ((2, 2), (0, 3)), ((1, 1), (2, 3), (3, 1))])
 

@@ -39,6 +39,11 @@ def loss_fn(model, batch):
     return jnp.mean(jnp.sum((prediction - batch[1]) ** 2, axis=-1))
 
 
+# Compiled once per dtype: run eagerly, every operation of the loss and its gradient compiled a
+# program of its own.
+value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+
+
 def _page_classes() -> dict[str, Any]:
     """The classes `docs/variants.md` defines (its blocks that start with `class`)."""
     namespace = {"eqx": eqx, "jax": jax, "jnp": jnp, "optax": optax, "eqx_kfac": eqx_kfac}
@@ -80,7 +85,7 @@ def run_optimizer(
 
 
 def optax_step(transform, model, opt_state, batch=BATCH, key=0):
-    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, batch)
+    loss, grads = value_and_grad(model, batch)
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, opt_state = transform.update(
         grads, opt_state, params, batch=batch, key=jax.random.key(4 + key), value=loss
@@ -112,7 +117,7 @@ def _flat(tree: Any) -> np.ndarray:
 
 
 def _gradient(model: Any) -> np.ndarray:
-    return _flat(eqx.filter_grad(loss_fn)(model, BATCH))
+    return _flat(value_and_grad(model, BATCH)[1])
 
 
 def _split(vector: np.ndarray) -> list[np.ndarray]:
@@ -247,7 +252,7 @@ def test_trust_region_damping_and_its_dampings_as_an_optax_schedule():
         # not in the model's change, as in kfac-jax: `include_damping_in_quad_change=False`).
         curvature, pieces = _curvature(run.states[k + 1], _kfac), _split(delta)
         quadratic = sum(0.5 * d @ c @ d for c, d in zip(curvature, pieces))
-        change = float(loss_fn(run.models[k + 1], BATCH)) - float(loss_fn(run.models[k], BATCH))
+        change = float(value_and_grad(run.models[k + 1], BATCH)[0]) - float(value_and_grad(run.models[k], BATCH)[0])
         rho = change / (quadratic + _gradient(run.models[k]) @ delta)
         np.testing.assert_allclose(float(run.stats[k]["rho"]), rho, rtol=1e-8)
         factor = 4.0 if rho < 0.25 else 0.5 if rho > 0.75 else 1.0

@@ -255,7 +255,9 @@ def _step(model_name, setting, guard=None):
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-@pytest.mark.parametrize("model_name", sorted(MODELS))
+# Not the MLP: its blocks are dense ones, as the CNN's head is (each model is a program traced
+# and lowered again for each setting and platform).
+@pytest.mark.parametrize("model_name", ["cnn", "scan"])
 def test_the_step_lowers_with_batched_solvers_and_no_host_callbacks(model_name, setting, platform):
     step, arrays, state = _step(model_name, setting)
     text = jax.export.export(step, platforms=[platform])(arrays).mlir_module()
