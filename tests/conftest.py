@@ -1,4 +1,5 @@
-"""Test configuration: float64, four host CPU devices, and a `getkey` fixture.
+"""Test configuration: float64, four host CPU devices, the run-time type checks
+(`typecheck_hook.py`), and a `getkey` fixture.
 
 The environment must be set before JAX is imported anywhere, so this file sets it at import time.
 """
@@ -26,6 +27,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+import typecheck_hook  # noqa: E402
+
+typecheck_hook.install()  # before anything imports eqx_kfac
 
 jax.config.update("jax_enable_x64", True)
 
