@@ -21,8 +21,9 @@ nvidia-smi -L 2>&1 | tee -a "$log"
 workers="-p no:xdist"
 python3 -c "import xdist" 2>/dev/null && workers="-n 8 --dist loadfile"
 # shellcheck disable=SC2086
-timed suite python3 -m pytest -q -p no:cacheprovider -o addopts="" $workers \
-    --jaxtyping-packages=eqx_kfac,beartype.beartype --continue-on-collection-errors
+# Every test, the integration ones too (`-o addopts=""` drops pyproject's `-m 'not integration'`;
+# tests/conftest.py installs the type checks).
+timed suite python3 -m pytest -q -p no:cacheprovider -o addopts="" $workers --continue-on-collection-errors
 for name in mnist_cnn diffusion_mixer rnn stateful frozen_layer vit; do
     timed "$name" python3 benchmarks/examples.py --examples "$name" --save "$scratch/$name.md"
     [[ -f $scratch/$name.md ]] && cat "$scratch/$name.md" >> "$OUT/examples.md"

@@ -29,6 +29,8 @@ from benchmarks.harness import (
 )
 from benchmarks.model_zoo.tanh_mlp import TanhMLP, classifier_loss
 
+pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
+
 
 STEPS = 4
 

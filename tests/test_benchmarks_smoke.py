@@ -36,6 +36,8 @@ from benchmarks.harness import (
 from benchmarks.harness.progress import Progress
 from benchmarks.model_zoo import tanh_mlp
 
+pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
+
 
 STEPS = 8
 

@@ -15,6 +15,8 @@ from benchmarks import damping_prediction, model_zoo
 from benchmarks.harness import Method, train
 from eqx_kfac._optim.optimizer import DEFAULT_DAMPING
 
+pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
+
 # The docs' claim: the default rule's damping reaches its floor within 100 steps (docs/optimizer.md).
 STEPS = 100
 

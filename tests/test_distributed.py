@@ -299,6 +299,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
 def test_two_processes_agree_with_one(tmp_path):
     """Two processes (2 CPU devices each, localhost coordinator) equal one device on the batch,
     with the state replicated and with it sharded over a 2 x 2 mesh."""

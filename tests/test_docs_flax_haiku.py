@@ -9,6 +9,8 @@ from flax import nnx
 
 from doc_pages import DOCS, run_page
 
+pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
+
 
 @pytest.fixture(scope="module")
 def page():

@@ -8,6 +8,8 @@ import pytest
 
 from doc_pages import DOCS, run_page
 
+pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
+
 
 @pytest.fixture(scope="module")
 def page():

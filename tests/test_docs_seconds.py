@@ -7,6 +7,8 @@ import pytest
 import eqx_kfac
 from doc_pages import run_page
 
+pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
+
 
 @pytest.fixture(scope="module")
 def page():

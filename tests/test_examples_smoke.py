@@ -15,6 +15,8 @@ from benchmarks import examples
 from benchmarks.harness import registration_summary
 from benchmarks.model_zoo.equinox_examples import EXAMPLES
 
+pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
+
 # The blocks K-FAC gives each example, and its parameters left in generic blocks: the stateful
 # model's spectrally normalised weight (32 x 3) is read through the power iteration's division.
 REGISTRATIONS = {

@@ -12,6 +12,8 @@ pytest.importorskip("sklearn")
 
 from benchmarks.flax_suite import run  # noqa: E402
 
+pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
+
 STEPS = 3
 WARM = 2
 

@@ -209,6 +209,7 @@ def test_step_memory_counts_the_parameters_and_the_optimizer_state(problem):
     assert adamw >= 3 * params and adamw - sgd >= 2 * params
 
 
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
 def test_a_tiny_run_of_the_script_writes_its_table_and_curves_and_resumes_from_its_journal(
     tmp_path, capsys, monkeypatch
 ):

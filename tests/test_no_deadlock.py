@@ -185,6 +185,7 @@ _HUNG = textwrap.dedent(
 )
 
 
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
 def test_the_scan_stack_that_hung_takes_its_first_steps():
     # In a fresh process with a time limit: a deadlock fails the test instead of hanging the suite.
     # (The optax preconditioner's update of the same stack is held to one matrix per LAPACK call

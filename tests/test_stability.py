@@ -226,6 +226,7 @@ def test_faults_in_a_row_stop_a_run_inside_jit_with_stop_in_program():
         jax.block_until_ready(step(PROBLEM.params, state, (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])))
 
 
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
 def test_the_persistent_cache_stores_steps_without_a_host_callback(tmp_path):
     # JAX 0.10's persistent compilation cache does not store a program that holds a host callback
     # (JAX 0.11 and later do). `Optimizer.step` called directly checks its guard's count in Python,

@@ -41,6 +41,7 @@ def test_every_parameter_gets_a_structured_block(name):
         assert all(r.scan == "stacked x4" for p, r in registrations.items() if p.startswith("stack."))
 
 
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
 @pytest.mark.parametrize("registration", ["rule", "loss"])
 def test_vmc_reaches_the_ground_state_energy(registration):
     # FermiNet's settings (fixed learning rate, damping and norm constraint, no momentum), with

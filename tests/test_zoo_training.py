@@ -14,6 +14,8 @@ import pytest
 from benchmarks import model_zoo
 from benchmarks.harness import Method, run_round
 
+pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
+
 STEPS = 20
 BATCH = 32
 ADAM_RATES = (3e-3, 1e-2)
