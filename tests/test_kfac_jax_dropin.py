@@ -111,6 +111,7 @@ def _run(source, **names):
     return namespace, printed
 
 
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
 def test_readme_quickstart_runs_on_eqx_kfac_parts():
     """The README with the import renamed runs and trains; its optimizer is `eqx_kfac.Optimizer`
     built from the parts that kfac-jax's keywords name: every field but the value function

@@ -84,6 +84,7 @@ def _docs_block(containing):
     return textwrap.dedent(block)
 
 
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
 def test_documented_kfac_star_lowers_the_loss(getkey):
     """docs/pinn.md's K-FAC* configuration (Kronecker-sum blocks, unbounded momentum), as written:
     from its initial damping the small problem's first steps are rejected, then it trains."""
@@ -213,6 +214,7 @@ def test_defaults_are_what_the_docs_recommend(name):
     assert {"damping", "damping_factor", "min_damping", "max_damping"} <= set(documented)
 
 
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
 def test_lbfgs_recipe_of_the_docs_compiles_once(getkey, xla_compilations):
     """docs/pinn.md's L-BFGS block: the step compiles once from its initial state, twice from
     `optax.lbfgs`'s own (the weak types the docs describe)."""

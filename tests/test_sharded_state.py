@@ -128,6 +128,7 @@ def test_sharded_steps_equal_single_device_in_a_fraction_of_the_memory():
     assert memory.argument_size_in_bytes <= replicated / 3, (memory.argument_size_in_bytes, replicated)
 
 
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml)
 def test_the_docs_example_equals_one_device():
     """The runnable example of docs/distributed.md ("Sharded state"), against one device."""
     (code,) = [b for b in re.findall(r"```python\n(.*?)```", (DOCS / "distributed.md").read_text(), re.DOTALL)
