@@ -20,9 +20,9 @@ python3 -c "import jax, equinox, eqx_kfac; print('jax', jax.__version__, 'equino
 nvidia-smi -L 2>&1 | tee -a "$log"
 workers="-p no:xdist"
 python3 -c "import xdist" 2>/dev/null && workers="-n 8 --dist loadfile"
-# shellcheck disable=SC2086
 # Every test, the integration ones too (`-o addopts=""` drops pyproject's `-m 'not integration'`;
 # tests/conftest.py installs the type checks).
+# shellcheck disable=SC2086
 timed suite python3 -m pytest -q -p no:cacheprovider -o addopts="" $workers --continue-on-collection-errors
 for name in mnist_cnn diffusion_mixer rnn stateful frozen_layer vit; do
     timed "$name" python3 benchmarks/examples.py --examples "$name" --save "$scratch/$name.md"
