@@ -20,7 +20,7 @@ import eqx_kfac
 
 from test_parts_both_paths import (
     _assert_same_models, _assert_steps, _factors, _from_array, _gradient, _split, _to_array,
-    BATCH, CURVATURE, EVERY_OTHER_STEP, LAYERS, LR, MODEL, loss_fn, optax_step, run_optax, run_optimizer,
+    BATCH, CURVATURE, DAMPING, EVERY_OTHER_STEP, LAYERS, LR, MODEL, loss_fn, optax_step, run_optax, run_optimizer,
     STEPS, value_and_grad,
 )
 
@@ -44,19 +44,23 @@ def _whitener(factor: np.ndarray) -> np.ndarray:
     return np.real(scipy.linalg.fractional_matrix_power(damped, -POWER))
 
 
-def _muon_deltas(run) -> list[np.ndarray]:
+def _muon_deltas(run, rejected=frozenset()) -> list[np.ndarray]:
     """The steps by the dense formula: Nesterov's momentum of the canonical gradient (bias-corrected
     as `optax.contrib.scale_by_muon`), whitened by the factors of the last refresh, its exact polar
-    factor with Muon's width scale, whitened again."""
+    factor with Muon's width scale, whitened again. At the steps in `rejected` the momentum is
+    left as it was and followed, bias-corrected (an outlier's gradient)."""
     momentum = [np.zeros((n_in + 1, n_out)) for n_in, n_out in LAYERS]
-    deltas = []
-    for k in range(STEPS):
+    deltas, t = [], 0
+    for k in range(len(run.models) - 1):
         refreshed = run.states[k - k % 2 + 1].estimator_state.block_states
-        t, pieces = k + 1, []
+        t, pieces = t + (k not in rejected), []
         for b, (g, (n_in, n_out), block_state) in enumerate(zip(_split(_gradient(run.models[k])), LAYERS, refreshed)):
-            g = _to_array(g, n_in, n_out)
-            momentum[b] = BETA * momentum[b] + (1 - BETA) * g
-            aimed = BETA * momentum[b] / (1 - BETA ** (t + 1)) + (1 - BETA) * g / (1 - BETA**t)
+            if k in rejected:
+                aimed = momentum[b] / (1 - BETA**t)
+            else:
+                g = _to_array(g, n_in, n_out)
+                momentum[b] = BETA * momentum[b] + (1 - BETA) * g
+                aimed = BETA * momentum[b] / (1 - BETA ** (t + 1)) + (1 - BETA) * g / (1 - BETA**t)
             w_a, w_g = (_whitener(f) for f in _factors(block_state))
             u = w_a @ _np_polar(w_a @ aimed @ w_g) @ w_g * max(1.0, n_out / (n_in + 1)) ** 0.5
             pieces.append(_from_array(-LR * u, n_in, n_out))
@@ -91,6 +95,54 @@ def test_kronecker_muon_keeps_its_momentum_on_a_skipped_step(exact_runs):
     assert int(after.count) == int(before.count) == STEPS
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# Targets scaled by 1e30: the squared error's gradient grows by about as much, while the
+# statistics (a GGN, which does not see the targets) stay as they were.
+OUTLIER = (BATCH[0], BATCH[1] * 1e30)
+
+
+def test_an_outlier_gradient_is_left_out_of_the_moments_on_both_paths(exact_runs):
+    """Two more steps after the exact runs: the fourth on an outlier batch, the fifth on the usual
+    one. The outlier's step follows the momentum as it was, the momentum and its bias correction
+    do not take it, and the next step is the dense formula without that gradient."""
+    run, on_optax = exact_runs
+    run = type(run)(list(run.models), list(run.states), list(run.stats), run.runner)
+    on_optax = type(on_optax)(list(on_optax.models), list(on_optax.states), [], on_optax.runner)
+    for k, batch in ((STEPS, OUTLIER), (STEPS + 1, BATCH)):
+        model, state, stats = run.runner.step(
+            run.models[-1], run.states[-1], jax.random.key(4 + k), batch=batch, learning_rate=LR,
+            momentum=0.0, damping=DAMPING,
+        )
+        run.models.append(model), run.states.append(state), run.stats.append(stats)
+        model, opt_state = optax_step(on_optax.runner, on_optax.models[-1], on_optax.states[-1], batch, key=k)
+        on_optax.models.append(model), on_optax.states.append(opt_state)
+    _assert_steps(run, _muon_deltas(run, rejected={STEPS}))
+    _assert_same_models(run, on_optax)
+    assert [bool(s["gradient_rejected"]) for s in run.stats] == [False] * STEPS + [True, False]
+    for states in (run.states, [s.inner_state[0] for s in on_optax.states]):
+        before, outlier = states[STEPS].direction_state, states[STEPS + 1].direction_state
+        assert (int(outlier.count), int(outlier.rejected), int(states[-1].direction_state.count)) == (STEPS, 1, STEPS + 1)
+        for x, y in zip(jax.tree.leaves((before.momentum, before.adam)),
+                        jax.tree.leaves((outlier.momentum, outlier.adam)), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        # The outlier's norm enters the gradient scale capped at 100 times the scale.
+        scale = float(before.gradient_scale)
+        np.testing.assert_allclose(float(outlier.gradient_scale), BETA * scale + (1 - BETA) * 100 * scale, rtol=1e-12)
+
+
+def test_a_gradient_scale_that_grows_for_good_is_taken_after_a_few_rejections(exact_runs):
+    """Targets scaled by 1e6 from the fourth step on: the gradients are outliers against the old
+    scale until the capped average, growing by up to 0.9 + 0.1 * 100 per step, reaches them (four
+    steps here), then every one is taken again."""
+    _, on_optax = exact_runs
+    model, opt_state = on_optax.models[-1], on_optax.states[-1]
+    rejected = []
+    for k in range(20):
+        model, opt_state = optax_step(on_optax.runner, model, opt_state, (BATCH[0], BATCH[1] * 1e6), key=k)
+        rejected.append(int(opt_state.inner_state[0].direction_state.rejected))
+    assert 3 <= rejected[-1] <= 10 and rejected[-10:] == [rejected[-1]] * 10, rejected
+    assert int(opt_state.inner_state[0].direction_state.count) == STEPS + 20 - rejected[-1]
 
 
 # --- power 0: Muon ---------------------------------------------------------------------------
@@ -188,7 +240,8 @@ def test_kronecker_muon_at_power_zero_is_optax_muon():
 
 @pytest.mark.parametrize(
     "field, value, message",
-    [("beta", 1.0, "beta must be in"), ("damping", 0.0, "damping must be > 0"), ("power", -0.5, "power must be >= 0")],
+    [("beta", 1.0, "beta must be in"), ("damping", 0.0, "damping must be > 0"), ("power", -0.5, "power must be >= 0"),
+     ("max_gradient_growth", 1.0, "max_gradient_growth must be None or > 1")],
 )
 def test_kronecker_muon_checks_its_fields(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -46,16 +46,22 @@ class KroneckerMuonState(eqx.Module):
 
     **Fields:**
 
-    - `count`: the number of directions computed so far (the momentum's bias correction).
+    - `count`: the number of gradients taken into the momentum so far (its bias correction).
     - `momentum`: per block, the moving average of the gradient (in the parameter basis) for
       the parameters that are orthogonalised; `None` for the others.
     - `adam`: `optax.scale_by_adam`'s state over the other parameters (`None` where a parameter
       is orthogonalised).
+    - `gradient_scale`: the gradient norm an outlier is measured against: a moving average (decay
+      `beta`) of the gradients' norms, each capped at `max_gradient_growth` times the average
+      before it; `0` before the first gradient.
+    - `rejected`: the number of gradients left out as outliers.
     """
 
     count: Int[Array, ""]
     momentum: PyTree[Array | None]
     adam: optax.OptState
+    gradient_scale: Float[Array, ""]
+    rejected: Int[Array, ""]
 
 
 class KroneckerMuon(AbstractDirection):
@@ -84,6 +90,18 @@ class KroneckerMuon(AbstractDirection):
     update `-lr · u` in the K-FAC geometry). The state (`KroneckerMuonState`) is kept where the
     step is not applied.
 
+    **Outlier batches.** The polar factor hides a gradient's size, so a batch whose gradient is
+    1e30 times too large would move the parameters by a normal step and then rule the momentum
+    for `log(1e30) / log(1 / beta)` steps (about 1,350 at `beta = 0.95`). A gradient whose norm
+    exceeds `max_gradient_growth` times `gradient_scale` (a moving average of the gradients'
+    norms, see `KroneckerMuonState`) is left out instead: the momentum, Adam's moments and the
+    bias correction stay as they were, the orthogonalised parameters move along the bias-corrected
+    momentum and the others do not move (`stats["gradient_rejected"]` says so, `rejected` counts
+    it). Since each norm enters the average capped at that bound, a gradient scale that grows for
+    good is reached after a few rejected steps (`log(growth) / log(beta + (1 - beta) ·
+    max_gradient_growth)`, e.g. 39 steps for a 1e30 jump at the defaults), so rejections never
+    go on for ever.
+
     **Fields:**
 
     - `beta`: the momentum's decay (Muon's `beta`).
@@ -94,6 +112,8 @@ class KroneckerMuon(AbstractDirection):
       orthogonalised (`optax.contrib.muon`'s defaults).
     - `orthogonalize`: the polar factor of a 2-D array (default: Muon's Newton-Schulz iteration,
       `newton_schulz`); e.g. an exact one from the SVD, `lambda x: U @ Vt`.
+    - `max_gradient_growth`: `> 1`, how far above `gradient_scale` a gradient's norm may be before
+      it is left out as an outlier (see above); `None` takes every gradient.
     """
 
     beta: float | Array = 0.95
@@ -104,15 +124,18 @@ class KroneckerMuon(AbstractDirection):
     adam_b2: float | Array = 0.999
     eps: float | Array = 1e-8
     orthogonalize: Callable[[Array], Array] = eqx.field(static=True, default=newton_schulz)
+    max_gradient_growth: float | Array | None = 100.0
 
     def __check_init__(self):
         checks = dict(beta=lambda v: 0.0 <= v < 1.0, adam_b1=lambda v: 0.0 <= v < 1.0,
                       adam_b2=lambda v: 0.0 <= v < 1.0, damping=lambda v: v > 0.0,
-                      power=lambda v: v >= 0.0, eps=lambda v: v >= 0.0)
+                      power=lambda v: v >= 0.0, eps=lambda v: v >= 0.0,
+                      max_gradient_growth=lambda v: v > 1.0)
         for name, holds in checks.items():
             value = getattr(self, name)
             if isinstance(value, (int, float)) and not holds(value):
-                wanted = dict(damping="> 0", power=">= 0", eps=">= 0").get(name, "in [0, 1)")
+                wanted = dict(damping="> 0", power=">= 0", eps=">= 0",
+                              max_gradient_growth="None or > 1").get(name, "in [0, 1)")
                 raise ValueError(f"KroneckerMuon: {name} must be {wanted}, got {value}.")
 
     def _adam(self) -> optax.GradientTransformation:
@@ -132,7 +155,8 @@ class KroneckerMuon(AbstractDirection):
             lambda x: jnp.zeros_like(_promoted(x)), estimator.params_vector_to_blocks_vectors(params)
         )
         momentum, others = self._split(estimator, zeros)
-        return KroneckerMuonState(jnp.zeros((), jnp.int32), momentum, self._adam().init(others))
+        count = jnp.zeros((), jnp.int32)
+        return KroneckerMuonState(count, momentum, self._adam().init(others), jnp.zeros(()), count)
 
     def powers_to_cache(self):
         # The exact inverse's cache is the factors' eigendecompositions.
@@ -146,6 +170,16 @@ class KroneckerMuon(AbstractDirection):
         ahead = optax.tree.bias_correction(momentum, self.beta, count + 1)
         fresh = optax.tree.bias_correction(grads, self.beta, count)
         return momentum, jax.tree.map(lambda m, g: self.beta * m + (1 - self.beta) * g, ahead, fresh)
+
+    def _accepts(self, grads: PyTree, scale: Array) -> tuple[Array, Array]:
+        """Whether `grads` is taken (not an outlier against `scale`), and the next `scale`."""
+        norm = optax.tree.norm(grads)
+        if self.max_gradient_growth is None:
+            return jnp.array(True), scale
+        bound = self.max_gradient_growth * scale
+        accept = (scale == 0) | (norm <= bound)
+        capped = jnp.where(accept, norm, bound)
+        return accept, jnp.where(scale == 0, norm, self.beta * scale + (1 - self.beta) * capped)
 
     def _polar(self, matrix: Array) -> Array:
         """The polar factor with Muon's width scale `sqrt(max(1, columns / rows))`."""
@@ -175,11 +209,19 @@ class KroneckerMuon(AbstractDirection):
         self, estimator, estimator_state, grads, state, identity_weight, learning_rate, use_cached,
         axis_name=None,
     ):
-        count = state.count + 1
         grads = jax.tree.map(_promoted, estimator.params_vector_to_blocks_vectors(grads))
+        accept, scale = self._accepts(grads, state.gradient_scale)
         polar_grads, adam_grads = self._split(estimator, grads)
-        momentum, aimed = self._momentum(polar_grads, state.momentum, count)
+        momentum, aimed = self._momentum(polar_grads, state.momentum, state.count + 1)
         adam_updates, adam_state = self._adam().update(adam_grads, state.adam)
+        # An outlier leaves the moments as they were: the momentum (bias-corrected) is followed,
+        # the parameters under Adam stay.
+        held = optax.tree.bias_correction(state.momentum, self.beta, jnp.maximum(state.count, 1))
+        pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
+        momentum, aimed = pick(momentum, state.momentum), pick(aimed, held)
+        adam_state = pick(adam_state, state.adam)
+        adam_updates = jax.tree.map(lambda u: jnp.where(accept, u, 0), adam_updates)
+        count = state.count + accept.astype(jnp.int32)
         directions = []
         for block, block_state, aim, adam in zip(
             estimator.blocks, estimator_state.block_states, aimed, adam_updates, strict=True
@@ -191,5 +233,6 @@ class KroneckerMuon(AbstractDirection):
                 directions.append(tuple(u if v is None else self._polar(v) for v, u in zip(aim, adam)))
         return DirectionOutcome(
             estimator.blocks_vectors_to_params_vector(directions),
-            KroneckerMuonState(count, momentum, adam_state),
+            KroneckerMuonState(count, momentum, adam_state, scale, state.rejected + (~accept).astype(jnp.int32)),
+            stats={"gradient_rejected": ~accept},
         )
