@@ -182,6 +182,7 @@ from ._optim.optax_transforms import (
     skip_non_finite as skip_non_finite,
     SkipNonFiniteState as SkipNonFiniteState,
 )
+from ._optim.optax_training import OptaxTraining as OptaxTraining, OptaxTrainingState as OptaxTrainingState
 from ._optim.execution import MultiDevice as MultiDevice, StepOptions as StepOptions
 from ._optim.optimizer import Optimizer as Optimizer
 from ._optim.optimizer_state import (

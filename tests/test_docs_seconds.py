@@ -1,4 +1,5 @@
-"""Runs the warm-start example of `docs/seconds.md` and checks what the page says of it."""
+"""Runs the warm-start examples of `docs/seconds.md` (`Optimizer`'s and `OptaxTraining`'s) and checks what
+the page says of them."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.integration  # run by `pytest -m integration` (pyprojec
 @pytest.fixture(scope="module")
 def page():
     """The namespace after executing the page's Python block."""
-    return run_page("seconds.md", blocks=1)
+    return run_page("seconds.md", blocks=2)
 
 
 def test_twelve_warm_steps_then_kfacs(page):
@@ -23,6 +24,15 @@ def test_twelve_warm_steps_then_kfacs(page):
     # The last num_burnin_steps (default 10) warm steps made the burn-in's updates.
     assert int(state.warm_start_state.burnin_updates) == 10
     assert np.isfinite(float(page["stats"]["loss"]))
+
+
+def test_twelve_adam_steps_then_kfac_optaxs(page):
+    assert page["switched"] == [False] * 12 + [True] * 18
+    state = page["training_state"]
+    assert int(state.warm_start_state.steps_taken) == 12
+    # `kfac_optax`'s own count: its 18 steps, none skipped.
+    assert int(state.opt_state.inner_state[0].count) == 18
+    assert np.isfinite(float(page["loss"]))
 
 
 def test_the_default_transformation_is_adam_at_1e_3():

@@ -1,5 +1,5 @@
 """Smoke test of `benchmarks/flax_examples.py` (`--quick`): one example (the suite's time) trains with both K-FAC forms,
-`Optimizer` with a warm start (`--warm-start`) and their config's optimizer, and the record holds what the docs page's
+`Optimizer` and `kfac_optax` with a warm start (`--warm-start`) and their config's optimizer, and the record holds what the docs page's
 table is made of."""
 
 import json
@@ -30,13 +30,16 @@ def record(tmp_path_factory):
 def test_every_method_trains_from_the_same_start(record, name):
     example = record["examples"][name]
     methods = example["methods"]
-    assert set(methods) == {"Optimizer", "Optimizer+WarmStart", "kfac_optax", example["baseline"]}
+    assert set(methods) == {
+        "Optimizer", "Optimizer+WarmStart", "kfac_optax", "kfac_optax+WarmStart", example["baseline"]
+    }
     for method in methods.values():
         assert len(method["losses"]) == STEPS and np.all(np.isfinite(method["losses"]))
         assert method["ms_per_step"] > 0 and method["first_call_s"] > 0
     # Step 0's loss is the initial parameters' loss on the first batch (and, for the VAE, the
     # step's key; `Optimizer` draws its loss's key from it, the optax steps pass it on).
-    same = ["kfac_optax", example["baseline"]] + (["Optimizer", "Optimizer+WarmStart"] if name == "mnist" else [])
+    same = ["kfac_optax", "kfac_optax+WarmStart", example["baseline"]]
+    same += ["Optimizer", "Optimizer+WarmStart"] if name == "mnist" else []
     firsts = [methods[m]["losses"][0] for m in same]
     np.testing.assert_allclose(firsts, firsts[0], rtol=1e-3)
     # The target is the baseline's final loss: its mean over the last (here: all) steps.

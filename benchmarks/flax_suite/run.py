@@ -32,7 +32,10 @@ LADDER_STEP = 3.0
 LADDER = (1 / LADDER_STEP, 1.0, LADDER_STEP)
 # How many rungs the ladder may grow past an end that holds its best run.
 MAX_EXTRA_RUNGS = 2
-KFAC_FORMS = {"kfac": "Optimizer", "warm": "Optimizer+WarmStart", "recipe": "kfac_optax"}
+KFAC_FORMS = {
+    "kfac": "Optimizer", "warm": "Optimizer+WarmStart", "recipe": "kfac_optax",
+    "recipe_warm": "kfac_optax+WarmStart",
+}
 # The recommended damping rule's floor.
 DAMPING_FLOOR = float(DEFAULT_DAMPING.minimum)
 MISSING_JRAPH = ("ogbg skipped: jraph is not installed (pip install -e \".[flax-examples]\", or "
@@ -64,12 +67,13 @@ def extended(problem: Any, baseline: Method, grid: list[Run], steps: int) -> lis
     return grid
 
 
-def warm_method(baseline: Method, warm_steps: int, when_ready: bool) -> Method:
+def warm_methods(baseline: Method, warm_steps: int, when_ready: bool) -> list[Method]:
     """`Optimizer` with a `WarmStart` of `warm_steps` steps of the example's own optimizer (at its
-    config's learning rate), switching as soon as K-FAC's step is compiled with `when_ready`."""
+    config's learning rate), switching as soon as K-FAC's step is compiled with `when_ready`, and
+    `kfac_optax` with the same warm start through `OptaxTraining`."""
     transformation = OPTAX[baseline.name](baseline.learning_rate, **baseline.options)
     warm_start = eqx_kfac.WarmStart(warm_steps, transformation, switch_when_ready=when_ready)
-    return Method("warm", options={"warm_start": warm_start})
+    return [Method(name, options={"warm_start": warm_start}) for name in ("warm", "recipe_warm")]
 
 
 def run_example(
@@ -77,8 +81,9 @@ def run_example(
 ) -> tuple[Outcome, Example]:
     """Trains one example: both K-FAC forms and the baseline's ladder, alternated step by step,
     then the ladder extended while its best rate is at an end (`extended`; not `quick`), then
-    with `warm_steps`, `Optimizer` with a warm start in a round of its own (`warm_method`; its
-    compilation threads would slow the steps of the runs it alternated with).
+    with `warm_steps`, `Optimizer` and `kfac_optax` with a warm start, each in a round of its own
+    (`warm_methods`; their compilation threads would slow the steps of the runs they alternated
+    with).
 
     **Arguments:**
 
@@ -99,7 +104,8 @@ def run_example(
     base = example.baseline.name
     forms = {"kfac": [kfac], "recipe": [recipe]}
     if warm_steps:
-        forms["warm"] = run_round(example.problem, [warm_method(example.baseline, warm_steps, when_ready)], steps)
+        for method in warm_methods(example.baseline, warm_steps, when_ready):
+            forms[method.name] = run_round(example.problem, [method], steps)
     return Outcome(name, steps, {**forms, base: grid}, {**forms, base: [best(grid)]}), example
 
 
@@ -209,8 +215,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and a few steps (a smoke run)")
     parser.add_argument("--steps", type=int, help="the step budget of every example (default: STEPS)")
     parser.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
-                        help="also train Optimizer with a WarmStart of this many steps of the example's "
-                             "optimizer (in a round of its own)")
+                        help="also train Optimizer and kfac_optax (through OptaxTraining) with a WarmStart "
+                             "of this many steps of the example's optimizer (each in a round of its own)")
     parser.add_argument("--when-ready", action="store_true",
                         help="the warm start switches as soon as K-FAC's step is compiled")
     parser.add_argument("--plots", help="write flax_<example>.png (loss vs steps and vs seconds) to this folder")

@@ -11,6 +11,9 @@ batch's `loss` (and K-FAC's step statistics):
   would slow the steps of the runs it alternates with.
 - `"recipe"`: `eqx_kfac.kfac_optax(loss, example_args, learning_rate)` (K-FAC preconditioning, a
   norm constraint, momentum); `learning_rate=None` takes its default.
+- `"recipe_warm"`: `"recipe"` trained by `eqx_kfac.OptaxTraining` with
+  `options={"warm_start": eqx_kfac.WarmStart(...)}` (the other options `kfac_optax`'s): first-order
+  steps while `kfac_optax`'s step compiles in a thread. Train it in a round of its own, as `"warm"`.
 - `"kfac_muon"`: `eqx_kfac.kfac_optax(loss, example_args, learning_rate,
   direction=eqx_kfac.KroneckerMuon(), momentum=None, curvature_update_period=10,
   inverse_update_period=50)`: Muon's polar step in the geometry of the K-FAC factors, its
@@ -43,7 +46,7 @@ from .shampoo import shampoo
 from .soap import soap
 
 # K-FAC's forms (`Optimizer`, with a warm start, `kfac_optax`, `kfac_optax` with `KroneckerMuon`).
-KFAC_METHODS = ("kfac", "warm", "recipe", "kfac_muon")
+KFAC_METHODS = ("kfac", "warm", "recipe", "recipe_warm", "kfac_muon")
 # The `kfac_optax` keywords of each of its forms.
 # `kfac_muon`'s periods: on alternatives.py's transformer (seed 0, 150 steps, rate 0.01) every
 # 10th and 50th step made the step 110 ms against 170 ms with kfac_optax's 1 and 5 (Muon: 105 ms)
@@ -55,7 +58,7 @@ KFAC_OPTAX = {
 }
 # The methods whose step compiles itself (`Optimizer.step`, which its docs say to call directly):
 # the loop calls it as it is, where it jits the others' steps.
-SELF_COMPILING = ("kfac", "warm")
+SELF_COMPILING = ("kfac", "warm", "recipe_warm")
 # The XLA compiler options of the jit around each other method's step, as each library's docs
 # advise: `kfac_optax`'s jit takes `eqx_kfac.COMPILER_OPTIONS` (Triton's GEMM autotuning off on a
 # GPU, ignored elsewhere), the optax baselines XLA's defaults.
@@ -134,7 +137,8 @@ class Method:
     - `options`: keywords for the optimizer (see the module docstring).
     - `schedule`: `schedule(learning_rate) -> optax schedule`, given to the optimizer in place of
       the constant rate (e.g. a warmup and a cosine decay peaking at `learning_rate`); `None`:
-      the constant rate. Not for `"kfac"` and `"warm"`, whose rate is adapted.
+      the constant rate. Not for `"kfac"` and `"warm"`, whose rate is adapted, nor for
+      `"recipe_warm"`.
     """
 
     name: str
@@ -238,6 +242,19 @@ def _optax(
     return step, (transform.init(params), problem.func_state)
 
 
+def _optax_training(problem: Problem, training: eqx_kfac.OptaxTraining) -> tuple[Callable, Any]:
+    """A step of `training` (which compiles itself)."""
+
+    def step(model, state, key, batch):
+        training_state, func_state = state
+        loss_args = problem.args(model, func_state, key, batch)[1:]
+        model, training_state, out = training.step(model, training_state, *loss_args, key=key)
+        loss, func_state = problem.split(out, func_state)
+        return model, (training_state, func_state), {"loss": loss}
+
+    return step, (training.init(problem.model), problem.func_state)
+
+
 def make_step(problem: Problem, method: Method, batch: Any) -> tuple[Callable, Any]:
     """`(step, state)` of one method on a problem.
 
@@ -254,11 +271,14 @@ def make_step(problem: Problem, method: Method, batch: Any) -> tuple[Callable, A
     """
     if method.name in ("kfac", "warm"):
         return _kfac(problem, batch, method.options)
-    if method.name in KFAC_OPTAX:
+    if method.name in (*KFAC_OPTAX, "recipe_warm"):
         example = problem.args(problem.model, problem.func_state, jax.random.key(0), batch)
         rate = {} if method.learning_rate is None else {"learning_rate": method.rate}
-        options = KFAC_OPTAX[method.name] | dict(method.options)
+        options = KFAC_OPTAX.get(method.name, {}) | dict(method.options)
+        warm_start = options.pop("warm_start", None)
         transform = eqx_kfac.kfac_optax(problem.loss, example, **rate, **options)
+        if method.name == "recipe_warm":
+            return _optax_training(problem, eqx_kfac.OptaxTraining(problem.loss, transform, warm_start, problem.has_state))
         return _optax(problem, transform, objective=False, kfac=True)
     transform = OPTAX[method.name](method.rate, **method.options)
     return _optax(problem, transform, objective=method.name in _NEEDS_OBJECTIVE, kfac=False)

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from .._core.control_flow import select_changed
 from .._core.tree import all_finite
@@ -17,6 +18,39 @@ from .compilation import compiling_burnin_meanwhile, compiling_step_meanwhile, j
 from .optimizer_state import OptimizerState
 from .optimizer_step import applied
 from .warm_start import WarmStartState
+
+
+def warm_update(
+    transformation: optax.GradientTransformation, params: Any, grads: Any, loss: Any,
+    transformation_state: Any, skip_non_finite: bool = True,
+) -> tuple[Any, Any, Any]:
+    """One step of a warm start's `transformation`, skipped (parameters and its state kept) where
+    `skip_non_finite` and the loss, gradient or update is not finite.
+
+    **Arguments:**
+
+    - `transformation`: the optax transformation.
+    - `params`: the parameters (their inexact arrays are trained).
+    - `grads`: the loss's gradient.
+    - `loss`: the loss.
+    - `transformation_state`: the transformation's state.
+    - `skip_non_finite`: whether to skip a non-finite step.
+
+    **Returns:**
+
+    `(params, transformation_state, finite)`: the new parameters and state, and whether the step
+    was taken.
+    """
+    grads = eqx.filter(grads, eqx.is_inexact_array)
+    updates, new_state = transformation.update(grads, transformation_state, eqx.filter(params, eqx.is_inexact_array))
+    if skip_non_finite:
+        finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(updates)
+    else:
+        finite = jnp.ones((), bool)
+    return (
+        select_changed(finite, applied(params, updates), params),
+        select_changed(finite, new_state, transformation_state), finite,
+    )
 
 
 def _warm_step_body(
@@ -29,20 +63,12 @@ def _warm_step_body(
     func_args = function.args(params, func_state, function.keys(rng, None)[1], function.process(batch))
     out, grads = function.value_and_grad(*func_args)
     loss, new_func_state, aux = function.split(out)
-    grads = eqx.filter(grads, eqx.is_inexact_array)
-    filtered = eqx.filter(params, eqx.is_inexact_array)
-    transformation = optimizer.warm_start.transformation
-    updates, transformation_state = transformation.update(grads, warm.transformation_state, filtered)
-    if optimizer.guard.skip_non_finite:
-        finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(updates)
-    else:
-        finite = jnp.ones((), bool)
-    new_params = select_changed(finite, applied(params, updates), params)
-    batch_size = optimizer.estimators(func_args)[1].batch_size(func_args)
-    new_warm = WarmStartState(
-        select_changed(finite, transformation_state, warm.transformation_state), warm.steps_taken + 1,
-        warm.burnin_updates + burned_in,
+    new_params, transformation_state, finite = warm_update(
+        optimizer.warm_start.transformation, params, grads, loss, warm.transformation_state,
+        optimizer.guard.skip_non_finite,
     )
+    batch_size = optimizer.estimators(func_args)[1].batch_size(func_args)
+    new_warm = WarmStartState(transformation_state, warm.steps_taken + 1, warm.burnin_updates + burned_in)
     examples = select_changed(finite, state.examples_seen.add(batch_size), state.examples_seen)
     new_state = eqx.tree_at(lambda s: (s.warm_start_state, s.examples_seen), state, (new_warm, examples))
     stats = dict(
