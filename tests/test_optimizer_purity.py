@@ -256,6 +256,10 @@ def test_init_compiles_one_program_for_the_whole_state(xla_compilations):
     # The loss's checks, the state, and the one scalar by which the checks see whether a `jit`
     # is tracing them (a program compiled once per process, counted here after `clear_caches`).
     assert count <= 3, count
+    # A second `init` of the same optimizer and shapes compiles nothing (it compiled the state's
+    # program again, 0.14 s of 0.15 s on a 64-128-128-10 MLP, when that program was a new `jit`
+    # of each call's own `functools.partial`).
+    assert xla_compilations(lambda: OPT.init(PROBLEM.params, key, BATCH), clear=False) == 0
 
 
 # Options for XLA:CPU that change nothing here, to tell the step's own options from others.

@@ -153,22 +153,41 @@ def as_the_step_traces(
     return result[0]
 
 
+def _build_state(
+    optimizer: AbstractOptimizer, estimator: Any, filtered: Any, rng: Any, signatures: tuple[Any, Any],
+    lay_out: Callable[[OptimizerState], Any] | None,
+) -> Any:
+    state = new_state(optimizer, estimator, filtered, rng, *signatures)
+    return state if lay_out is None else lay_out(state)
+
+
+# One compiled program per optimizer, estimator and signature, whatever the number of `init`s:
+# compiled with `ONE_OFF_COMPILER_OPTIONS` (it runs once per state), without options inside a
+# caller's trace (JAX takes them on an outermost `jit` only: e.g. `eqx.filter_eval_shape(init)`).
+_STATE_PROGRAMS = {
+    False: eqx.filter_jit(_build_state, compiler_options=dict(ONE_OFF_COMPILER_OPTIONS)),
+    True: eqx.filter_jit(_build_state),
+}
+
+
 def initial_state(
-    optimizer: AbstractOptimizer, build: Callable[..., OptimizerState], *args: Any,
+    optimizer: AbstractOptimizer, estimator: Any, filtered: Any, rng: Any, signatures: tuple[Any, Any],
     lay_out: Callable[[OptimizerState], Any] | None = None,
 ) -> OptimizerState:
-    """`build(*args)`, the optimizer's initial state, built by one compiled program (compiled with
-    `ONE_OFF_COMPILER_OPTIONS`: it runs once): run eagerly,
-    every array of a new shape that it creates compiles a program of its own (the benchmark
-    autoencoder's `init`: 1.8 s eagerly, 1.0 s compiled as one). With `shard_state` the program's
-    outputs are laid out by `sharding_by_size` (no device holds the whole state, not even while it
-    is created).
+    """`new_state(optimizer, estimator, filtered, rng, *signatures)`, the optimizer's initial
+    state, built by one compiled program (compiled with `ONE_OFF_COMPILER_OPTIONS`: it runs once;
+    a later `init` of the same optimizer and shapes reuses it): run eagerly, every array of a new
+    shape that it creates compiles a program of its own (the benchmark autoencoder's `init`: 1.8 s
+    eagerly, 1.0 s compiled as one). With `shard_state` the program's outputs are laid out by
+    `sharding_by_size` (no device holds the whole state, not even while it is created).
 
     **Arguments:**
 
     - `optimizer`: the `Optimizer`.
-    - `build`: the function that builds the state.
-    - `args`: its array arguments.
+    - `estimator`: its curvature estimator.
+    - `filtered`: the trained parameters.
+    - `rng`: the blocks' PRNG key.
+    - `signatures`: the batch's and the parameters' signatures (the state's static fields).
     - `lay_out`: a function of the state applied in the same program (the kfac-jax drop-in's
       copy per device), instead of `shard_state`'s layout.
 
@@ -177,14 +196,10 @@ def initial_state(
     The state.
     """
     if lay_out is None and optimizer.multi_device and optimizer.shard_state:
-        mesh = device_mesh(optimizer)
-        lay_out = functools.partial(_distributed.lay_out, mesh=mesh, is_state=_is_state)
-    # (JAX takes compiler options on an outermost `jit` only: none inside a caller's trace, such
-    # as `eqx.filter_eval_shape(optimizer.init, ...)`.)
-    options = None if any_traced(args) else dict(ONE_OFF_COMPILER_OPTIONS)
-    if lay_out is None:
-        return eqx.filter_jit(build, compiler_options=options)(*args)
-    return eqx.filter_jit(lambda *a: lay_out(build(*a)), compiler_options=options)(*args)
+        # (A `Partial`, equal for equal meshes: the program is not compiled again.)
+        lay_out = jax.tree_util.Partial(_distributed.lay_out, mesh=device_mesh(optimizer), is_state=_is_state)
+    traced = any_traced((filtered, rng))
+    return _STATE_PROGRAMS[traced](optimizer, estimator, filtered, rng, signatures, lay_out)
 
 
 # --- the state's check, when a step is traced ------------------------------------------------

@@ -49,7 +49,7 @@ from .direction import AbstractDirection, PreconditionedGradient
 from .execution import MultiDevice, StepOptions
 from .guard import StepGuard
 from .hyperparameters import AdaptiveHyperparameter
-from .optimizer_state import load_state, new_state, OptimizerState
+from .optimizer_state import load_state, OptimizerState
 from .preconditioner import CurvatureOptions, Preconditioner
 from .refresh import AbstractRefreshSchedule, RefreshSchedule
 from .step_context import GivenValues
@@ -170,10 +170,8 @@ class AbstractKFACOptimizer(AbstractOptimizer):
             func_args = self.function.args(params, func_state, rng, self.function.process(batch))
             estimator = checked_estimator(func_args)
             self.preconditioner.check_loss(self.function.loss_of, func_args, estimator)
-        build = functools.partial(
-            new_state, self, estimator, batch_signature=signature(batch), params_signature=params_signature(params)
-        )
-        return initial_state(self, build, eqx.filter(params, eqx.is_inexact_array), rng, lay_out=lay_out)
+        filtered, signatures = eqx.filter(params, eqx.is_inexact_array), (signature(batch), params_signature(params))
+        return initial_state(self, estimator, filtered, rng, signatures, lay_out=lay_out)
 
     def load_state(
         self, path_or_file: str | pathlib.Path | io.IOBase, params: PyTree, rng: PRNGKeyArray,
