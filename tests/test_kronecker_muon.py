@@ -122,7 +122,8 @@ def test_an_outlier_gradient_is_left_out_of_the_moments_on_both_paths(exact_runs
     assert [bool(s["gradient_rejected"]) for s in run.stats] == [False] * STEPS + [True, False]
     for states in (run.states, [s.inner_state[0] for s in on_optax.states]):
         before, outlier = states[STEPS].direction_state, states[STEPS + 1].direction_state
-        assert (int(outlier.count), int(outlier.rejected), int(states[-1].direction_state.count)) == (STEPS, 1, STEPS + 1)
+        counts = (int(outlier.count), int(outlier.rejected), int(states[-1].direction_state.count))
+        assert counts == (STEPS, 1, STEPS + 1)
         for x, y in zip(jax.tree.leaves((before.momentum, before.adam)),
                         jax.tree.leaves((outlier.momentum, outlier.adam)), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

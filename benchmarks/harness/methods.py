@@ -278,7 +278,8 @@ def make_step(problem: Problem, method: Method, batch: Any) -> tuple[Callable, A
         warm_start = options.pop("warm_start", None)
         transform = eqx_kfac.kfac_optax(problem.loss, example, **rate, **options)
         if method.name == "recipe_warm":
-            return _optax_training(problem, eqx_kfac.OptaxTraining(problem.loss, transform, warm_start, problem.has_state))
+            training = eqx_kfac.OptaxTraining(problem.loss, transform, warm_start, problem.has_state)
+            return _optax_training(problem, training)
         return _optax(problem, transform, objective=False, kfac=True)
     transform = OPTAX[method.name](method.rate, **method.options)
     return _optax(problem, transform, objective=method.name in _NEEDS_OBJECTIVE, kfac=False)
