@@ -7,6 +7,9 @@ switch against `kfac_optax`'s `update` applied by hand from the parameters the w
 and its `init`'s state; the compilations counted by JAX's monitoring events.
 """
 
+import os
+import subprocess
+import sys
 import time
 
 import equinox as eqx
@@ -18,17 +21,7 @@ import pytest
 
 import eqx_kfac
 
-
-def _loss(model, batch):
-    x, y = batch
-    logits = jax.vmap(model)(x)
-    eqx_kfac.register_softmax_cross_entropy_loss(logits, y)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-def _batches(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [(jnp.asarray(rng.normal(size=(16, 5))), jnp.asarray(rng.integers(0, 3, 16))) for _ in range(n)]
+from test_warm_start import _batches, _loss
 
 
 PARAMS = eqx.nn.MLP(5, 3, 8, 0, key=jax.random.key(0))
@@ -196,3 +189,36 @@ def test_a_plain_optax_transformation_and_a_loss_with_aux_and_two_arguments():
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(TypeError, match=match):
         eqx_kfac.OptaxTraining(**kwargs)
+
+
+
+_ENDS_WHILE_COMPILING = """
+import atexit, threading
+import jax, jax.numpy as jnp, equinox as eqx, optax, eqx_kfac
+def compiling():
+    return [t for t in threading.enumerate() if t.name == "eqx_kfac-compile" and t.is_alive()]
+# (Run after the interpreter has waited for the threads that are not daemons.)
+atexit.register(lambda: print("compiling at exit:", len(compiling()), flush=True))
+def loss_fn(m, b):
+    logits = jax.vmap(m)(b[0])
+    eqx_kfac.register_softmax_cross_entropy_loss(logits, b[1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b[1]).mean()
+model = eqx.nn.MLP(16, 4, 32, 25, key=jax.random.key(0))
+batch = (jnp.ones((8, 16)), jnp.zeros(8, jnp.int32))
+training = eqx_kfac.OptaxTraining(loss_fn, eqx_kfac.kfac_optax(loss_fn, (model, batch)), eqx_kfac.WarmStart(100))
+state = training.init(model)
+for i in range(2):
+    model, state, loss = training.step(model, state, batch, key=jax.random.key(i))
+print("compiling after the steps:", len(compiling()), flush=True)
+"""
+
+
+@pytest.mark.integration  # run by `pytest -m integration` (pyproject.toml): a process of its own
+def test_a_script_that_ends_while_the_step_compiles_waits_for_it():
+    # The compiling thread was a daemon: still inside XLA's compiler when the interpreter shut
+    # down, it could abort the process after the script's work was done (flax_examples.py
+    # --warm-start 150 --when-ready: exit code 134, "FATAL: exception not rethrown").
+    done = subprocess.run([sys.executable, "-c", _ENDS_WHILE_COMPILING], capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compiling after the steps: 1" in done.stdout and "compiling at exit: 0" in done.stdout, done.stdout

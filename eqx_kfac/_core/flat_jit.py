@@ -193,8 +193,13 @@ class FlatJit:
 
 
 class Background:
-    """A function run in a daemon thread. An error in it is dropped: the program's own call
+    """A function run in a thread of its own. An error in it is dropped: the program's own call
     traces and compiles it again, and raises the error in the caller's thread.
+
+    The thread is not a daemon: a script that ends while a compilation runs (a warm start whose
+    K-FAC step was never needed) waits for it at exit. A daemon thread inside XLA's compiler when
+    the interpreter shuts down aborted the process ("FATAL: exception not rethrown", exit code
+    134) after the script's own work was done.
 
     **Arguments:**
 
@@ -208,7 +213,7 @@ class Background:
             except Exception:  # noqa: BLE001 -- raised again by the call, in the caller's thread
                 pass
 
-        self._thread = threading.Thread(target=run, name="eqx_kfac-compile", daemon=True)
+        self._thread = threading.Thread(target=run, name="eqx_kfac-compile", daemon=False)
         self._thread.start()
 
     def done(self) -> bool:
