@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._core import distributed as _distributed
 from .._core.compiled import for_compile_time, ONE_OFF_COMPILER_OPTIONS
 from .._core.flat_jit import Background, FlatJit
-from .._core.tree import any_traced
+from .._tracing.host_constants import host_built
 from .abstract_optimizer import AbstractOptimizer
 from .arguments import tree_difference
 from .optimizer_state import new_state, OptimizerState
@@ -161,13 +161,10 @@ def _build_state(
     return state if lay_out is None else lay_out(state)
 
 
-# One compiled program per optimizer, estimator and signature, whatever the number of `init`s:
-# compiled with `ONE_OFF_COMPILER_OPTIONS` (it runs once per state), without options inside a
-# caller's trace (JAX takes them on an outermost `jit` only: e.g. `eqx.filter_eval_shape(init)`).
-_STATE_PROGRAMS = {
-    False: eqx.filter_jit(_build_state, compiler_options=dict(ONE_OFF_COMPILER_OPTIONS)),
-    True: eqx.filter_jit(_build_state),
-}
+# Built once per optimizer, estimator and signature, whatever the number of `init`s: its constants
+# (zeros, identities, counters) made on the host, the rest compiled with
+# `ONE_OFF_COMPILER_OPTIONS` (it runs once per state).
+_STATE_PROGRAM = host_built(_build_state, dict(ONE_OFF_COMPILER_OPTIONS))
 
 
 def initial_state(
@@ -175,11 +172,13 @@ def initial_state(
     lay_out: Callable[[OptimizerState], Any] | None = None,
 ) -> OptimizerState:
     """`new_state(optimizer, estimator, filtered, rng, *signatures)`, the optimizer's initial
-    state, built by one compiled program (compiled with `ONE_OFF_COMPILER_OPTIONS`: it runs once;
-    a later `init` of the same optimizer and shapes reuses it): run eagerly, every array of a new
-    shape that it creates compiles a program of its own (the benchmark autoencoder's `init`: 1.8 s
-    eagerly, 1.0 s compiled as one). With `shard_state` the program's outputs are laid out by
-    `sharding_by_size` (no device holds the whole state, not even while it is created).
+    state. Its constants (zeros, identities, counters) are made on the host and put on the
+    device (`host_built`), the rest by one compiled program (compiled with
+    `ONE_OFF_COMPILER_OPTIONS`: it runs once; a later `init` of the same optimizer and shapes
+    reuses it): run eagerly, every array of a new shape that it creates compiles a program of its
+    own (the benchmark autoencoder's `init`: 1.8 s eagerly, 1.0 s compiled as one). With
+    `shard_state` the state's arrays are laid out by `sharding_by_size` (no device holds the
+    whole state, not even while it is created).
 
     **Arguments:**
 
@@ -198,8 +197,7 @@ def initial_state(
     if lay_out is None and optimizer.multi_device and optimizer.shard_state:
         # (A `Partial`, equal for equal meshes: the program is not compiled again.)
         lay_out = jax.tree_util.Partial(_distributed.lay_out, mesh=device_mesh(optimizer), is_state=_is_state)
-    traced = any_traced((filtered, rng))
-    return _STATE_PROGRAMS[traced](optimizer, estimator, filtered, rng, signatures, lay_out)
+    return _STATE_PROGRAM(optimizer, estimator, filtered, rng, signatures, lay_out)
 
 
 # --- the state's check, when a step is traced ------------------------------------------------

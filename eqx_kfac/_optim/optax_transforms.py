@@ -18,7 +18,8 @@ import optax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from .._core.compiled import compiled
+from .._core.compiled import compiled, ONE_OFF_COMPILER_OPTIONS
+from .._tracing.host_constants import host_built
 from .._core.control_flow import select_changed
 from .._core.tree import all_finite
 from .._curvature.blocks import CurvatureBlock
@@ -333,9 +334,9 @@ class _PreconditionerTransform(eqx.Module):
         )
 
     def init(self, params: PyTree) -> KFACPreconditionerState:
-        # One compiled program builds the state: run eagerly, every array of a new shape would
-        # compile a program of its own (see `initial_state`).
-        return eqx.filter_jit(self._new_state)(params)
+        # Built as `Optimizer.init` builds its state (see `initial_state`): run eagerly, every
+        # array of a new shape would compile a program of its own.
+        return _NEW_STATE(self, params)
 
     def _check_configuration(self, state: KFACPreconditionerState, params: PyTree) -> None:
         """Raises `ValueError` when `state` was made by a `kfac_preconditioner` of another
@@ -416,6 +417,11 @@ class _PreconditionerTransform(eqx.Module):
         return preconditioned, KFACPreconditionerState(
             optax.safe_increment(state.count), estimator_state, direction_state
         )
+
+
+# The states' programs run once: their constants made on the host, the rest compiled for compile time.
+_ONE_OFF = dict(ONE_OFF_COMPILER_OPTIONS)
+_NEW_STATE = host_built(lambda transform, params: transform._new_state(params), _ONE_OFF)
 
 
 _OPTAX_NORM_CONSTRAINT = 0.1
@@ -545,6 +551,6 @@ def kfac_optax(
         optax.with_extra_args_support(chain), guard, loss, kept_unless_applied,
         advance_on_fault=True, targets_in_range=transform.targets_in_range,
     )
-    # One compiled program builds the whole chain's state (see `_PreconditionerTransform.init`),
-    # and, called eagerly, one takes the whole update (`GuardedTransform.update`).
-    return optax.GradientTransformationExtraArgs(eqx.filter_jit(guarded.init), guarded.update)
+    # The whole chain's state is built at once (see `_PreconditionerTransform.init`), and, called
+    # eagerly, one program takes the whole update (`GuardedTransform.update`).
+    return optax.GradientTransformationExtraArgs(host_built(guarded.init, _ONE_OFF), guarded.update)
