@@ -168,14 +168,11 @@ class OptaxTraining(eqx.Module):
         warm = state.warm_start_state
         if warm is not None and not any_traced((params, state, loss_args, key)):
             taken, switched = (int(x) for x in jax.device_get((warm.steps_taken, state.switched)))
-            if not switched and taken < self.warm_start.steps:
-                # (The first call's own program first: tracing in a thread holds Python's lock.)
-                compiling = _STEP.compile_in_background(*args) if taken > 0 else None
-                if not (self.warm_start.switch_when_ready and compiling is not None and compiling.done()):
-                    params, warm, out = _WARM_STEP(self.loss_fn, self.has_aux, self.warm_start, params, warm, loss_args)
-                    if taken == 0:
-                        _STEP.compile_in_background(*args)
-                    return params, OptaxTrainingState(state.opt_state, warm, state.switched), out
+            if not switched and self.warm_start.takes_the_call(taken, lambda: _STEP.compile_in_background(*args)):
+                params, warm, out = _WARM_STEP(self.loss_fn, self.has_aux, self.warm_start, params, warm, loss_args)
+                if taken == 0:
+                    _STEP.compile_in_background(*args)
+                return params, OptaxTrainingState(state.opt_state, warm, state.switched), out
             if not switched:
                 state = OptaxTrainingState(state.opt_state, warm, jnp.asarray(True))
         params, opt_state, out = _STEP(*args)

@@ -15,11 +15,14 @@ depends on timing. Inside a user's own `jit`, a warm start does nothing (the ste
 the first call): the user's trace compiles everything at once anyway.
 """
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Int, PyTree
 
+from .._core.flat_jit import Background
 
 
 class WarmStartState(eqx.Module):
@@ -81,3 +84,24 @@ class WarmStart(eqx.Module):
         filtered = eqx.filter(params, eqx.is_inexact_array)
         zero = jnp.zeros((), jnp.int32)
         return WarmStartState(self.transformation.init(filtered), zero, zero)
+
+    def takes_the_call(self, taken: int, compile_main_step: Callable[[], Background]) -> bool:
+        """Whether the next call is one of this warm start's steps, after `taken` of them: not
+        once `steps` were taken, nor, with `switch_when_ready`, once the main step has compiled.
+        From the second call on, `compile_main_step()` makes sure the main step is compiling
+        (in a thread, once); the first call's own program compiles first (tracing in a thread
+        holds Python's lock), and the caller starts the main step's after it.
+
+        **Arguments:**
+
+        - `taken`: the warm steps taken (read from the state).
+        - `compile_main_step`: starts the main step's compilation if it has not started, and
+          returns its future.
+
+        **Returns:**
+
+        `True` for a warm step, `False` for the main step.
+        """
+        if taken >= self.steps:
+            return False
+        return taken == 0 or not (compile_main_step().done() and self.switch_when_ready)

@@ -123,10 +123,8 @@ def warm_step(
     if check_batches:
         check_batch(state.batch_signature, batch, "batch from data_iterator")
     args = (params, state, rng, batch, func_state)
-    if taken > 0:  # (the first call's own program first: tracing in a thread holds Python's lock)
-        compiling = compiling_step_meanwhile(optimizer, (*args, given))
-        if warm.switch_when_ready and compiling.done():
-            return None, itertools.chain([batch], batches)
+    if not warm.takes_the_call(taken, lambda: compiling_step_meanwhile(optimizer, (*args, given))):
+        return None, itertools.chain([batch], batches)
     burnin = optimizer.refresh.num_burnin_steps
     # The burn-in's updates: on the last `burnin` warm batches (on the first call too, compiling
     # there, when there are no more warm steps than that), or as soon as their program is ready.

@@ -270,9 +270,27 @@ def _find_matches(
     plan: _Plan,
     live: LiveTable,
 ) -> None:
+    allowed = {v: r for v, r in refs.items() if r[1] <= 1}
+    if allowed:  # (none in most of a Laplacian's nested jaxprs: nothing to match there)
+        _match_here(jaxpr, allowed, prefix, patterns, plan, live)
+    for i, eqn in enumerate(jaxpr.eqns):
+        child = _child(eqn, refs)
+        if child is not None:
+            inner, inner_refs, _ = child
+            _find_matches(inner, inner_refs, (*prefix, i), patterns, plan, live)
+
+
+def _match_here(
+    jaxpr: Jaxpr,
+    allowed: dict[Var, _Ref],
+    prefix: tuple[int, ...],
+    patterns: Sequence[GraphPattern],
+    plan: _Plan,
+    live: LiveTable,
+) -> None:
+    """The matches of `patterns` among `jaxpr`'s own equations (not its nested jaxprs')."""
     graph = None
     claimed: set[int] = set()
-    allowed = {v: r for v, r in refs.items() if r[1] <= 1}
     ranks = Counter(v.aval.ndim for v in allowed)
     # Only the examples that can bind their parameters here are traced (once per process, together).
     pattern_graphs([(p, k) for p in patterns for k in bindable_examples(p, ranks)])
@@ -281,9 +299,12 @@ def _find_matches(
             if graph is None:
                 graph = JaxprGraph(jaxpr, live[prefix])
                 eqn_index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
-            out_primitive = pg.graph.producer[pg.outvars[0]][0].primitive
-            for node in graph.nodes:
-                if node.primitive is not out_primitive or id(node) in claimed or not node.live_in:
+                # (An example is looked for at the nodes of its output's primitive only.)
+                by_primitive: dict[Any, list[Any]] = {}
+                for node in graph.nodes:
+                    by_primitive.setdefault(node.primitive, []).append(node)
+            for node in by_primitive.get(pg.graph.producer[pg.outvars[0]][0].primitive, ()):
+                if id(node) in claimed or not node.live_in:
                     continue
                 b = PatternMatcher(pg, graph, allowed, claimed).match_at(node)
                 if b is None:
@@ -310,11 +331,6 @@ def _find_matches(
                 for tv in ps:
                     plan.matched_leaves.add(allowed.pop(tv)[0])
                     ranks[tv.aval.ndim] -= 1
-    for i, eqn in enumerate(jaxpr.eqns):
-        child = _child(eqn, refs)
-        if child is not None:
-            inner, inner_refs, _ = child
-            _find_matches(inner, inner_refs, (*prefix, i), patterns, plan, live)
 
 
 class _TagBinder(JaxprHook):
