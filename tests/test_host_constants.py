@@ -73,6 +73,23 @@ def test_host_built_equals_the_compiled_program(where):
         assert built["zeros"].sharding == built["moved"]["w"].sharding
 
 
+@pytest.mark.parametrize("shape, spec", [
+    ((1,), P("d")), ((4, 1), P("d", "m")), ((4, 1), P("m", "d")), ((2, 2), P(("d", "m"))),
+    ((2, 2), P("m", None)), ((1, 4), P(("d", "m"), None)),
+])
+def test_a_constrained_output_has_the_compiled_programs_sharding(shape, spec):
+    # A compiled program reports its outputs' shardings without mesh axes of size 1 and trailing
+    # `None`s: an equal layout is no equal sharding, and a step compiled for one is another program.
+    names = ("d", "m")[: len(shape)]
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names), spec)
+
+    def fn(key):
+        return jax.lax.with_sharding_constraint(jnp.eye(4), sharding), jax.random.split(key)
+
+    key = jax.random.key(0)
+    _same(host_built(fn, {})(key), eqx.filter_jit(fn)(key))
+
+
 def test_constants_compile_nothing(xla_compilations):
     def constants(params, key):
         out = _constants_and_more(params, key)
