@@ -57,9 +57,9 @@ def _select_n(which: np.ndarray, *cases: np.ndarray) -> np.ndarray:
     return np.choose(np.asarray(which, np.int32), np.broadcast_arrays(*cases))
 
 
-def _on_integers(op: Callable[..., np.ndarray], integers_only: bool = True) -> Callable[..., np.ndarray | None]:
-    """`op` where every operand is an integer or boolean (exact, wrapping around as XLA's does;
-    any operands unless `integers_only`), `None` (not evaluated on the host) otherwise."""
+def _exact(op: Callable[..., np.ndarray], integers_only: bool = True) -> Callable[..., np.ndarray | None]:
+    """`op` where it is exact: on integer or boolean operands (wrapping around as XLA's does), or
+    on any (a comparison) unless `integers_only`; `None` (not evaluated on the host) otherwise."""
 
     def rule(*xs: np.ndarray, **_: Any) -> np.ndarray | None:  # (parameters such as a result's dtype: checked after)
         exact = not integers_only or all(np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_ for x in xs)
@@ -80,10 +80,10 @@ _RULES: dict[str, Callable[..., np.ndarray | None]] = {
     "concatenate": lambda *xs, dimension: np.concatenate(xs, axis=dimension),
     "copy": np.array,
     "copy_p": np.array,
-    **{name: _on_integers(op, integers_only=False) for name, op in dict(
+    **{name: _exact(op, integers_only=False) for name, op in dict(
         eq=np.equal, ne=np.not_equal, lt=np.less, le=np.less_equal, gt=np.greater, ge=np.greater_equal,
     ).items()},
-    **{name: _on_integers(op) for name, op in dict(
+    **{name: _exact(op) for name, op in dict(
         add=np.add, sub=np.subtract, mul=np.multiply, neg=np.negative, max=np.maximum, min=np.minimum,
         **{"and": np.bitwise_and, "or": np.bitwise_or, "not": np.invert, "xor": np.bitwise_xor},
     ).items()},
@@ -123,7 +123,10 @@ def _host_values(jaxpr: Jaxpr, values: dict[Any, np.ndarray]) -> dict[Any, Any]:
                     values[o] = _read(inner_values, i)
         elif name in _RULES:
             (aval,) = (o.aval for o in eqn.outvars)
-            out = _RULES[name](*ins, **eqn.params)
+            try:
+                out = _RULES[name](*ins, **eqn.params)
+            except Exception:  # noqa: BLE001 -- a case the rule does not cover: compiled instead
+                out = None
             if out is not None and _numpy_dtype(aval) and np.shape(out) == aval.shape:
                 values[eqn.outvars[0]] = np.asarray(out).astype(aval.dtype, copy=False)
     return constrained
