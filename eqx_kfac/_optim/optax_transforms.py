@@ -19,12 +19,12 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._core.compiled import compiled, ONE_OFF_COMPILER_OPTIONS
-from .._tracing.host_constants import host_built
 from .._core.control_flow import select_changed
 from .._core.tree import all_finite
 from .._curvature.blocks import CurvatureBlock
 from .._curvature.blocks.linear_solver import SolverChoice
 from .._curvature.estimators import EstimatorState
+from .._tracing.host_constants import host_built
 from .._tracing.layer_data import LayerSpec
 from .arguments import tree_difference
 from .direction import AbstractDirection
