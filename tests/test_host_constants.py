@@ -119,20 +119,15 @@ _MODEL = eqx.nn.MLP(6, 4, 8, 2, key=jax.random.key(0))
 _BATCH = (jax.random.normal(jax.random.key(1), (8, 6)), jax.random.randint(jax.random.key(2), (8,), 0, 4))
 
 
-def _init_both_ways(optimizer, *args, init=None):
+def _init_both_ways(monkeypatch, optimizer, *args):
     """The state `init` builds (host constants), and the one the whole program compiles."""
-    init = init or optimizer.init
-    built = init(*args)
-    original = compilation._STATE_PROGRAM
-    compilation._STATE_PROGRAM = eqx.filter_jit(compilation._build_state)
-    try:
-        return built, init(*args)
-    finally:
-        compilation._STATE_PROGRAM = original
+    built = optimizer.init(*args)
+    monkeypatch.setattr(compilation, "_STATE_PROGRAM", eqx.filter_jit(compilation._build_state))
+    return built, optimizer.init(*args)
 
 
 @pytest.mark.parametrize("configuration", ["default", "cached inverses", "eigenbasis adam", "sharded state"])
-def test_optimizer_states_equal_the_compiled_programs(configuration):
+def test_optimizer_states_equal_the_compiled_programs(configuration, monkeypatch):
     options, model = {}, _MODEL
     if configuration == "cached inverses":
         options = dict(refresh=eqx_kfac.RefreshSchedule(cache_inverses=True), damping_rule=eqx_kfac.GivenDamping())
@@ -143,7 +138,7 @@ def test_optimizer_states_equal_the_compiled_programs(configuration):
         options = dict(devices=eqx_kfac.MultiDevice(mesh, axis_name="d", shard_state=True))
         model = eqx.filter_shard(model, eqx_kfac.sharding_by_size(model, mesh))
     optimizer = eqx_kfac.Optimizer(eqx.filter_value_and_grad(_loss), **options)
-    _same(*_init_both_ways(optimizer, model, jax.random.key(3), _BATCH))
+    _same(*_init_both_ways(monkeypatch, optimizer, model, jax.random.key(3), _BATCH))
 
 
 def _dict_loss(params, batch):
@@ -153,7 +148,7 @@ def _dict_loss(params, batch):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
 
 
-def test_the_kfac_jax_replicated_state_equals_the_compiled_program():
+def test_the_kfac_jax_replicated_state_equals_the_compiled_program(monkeypatch):
     kfac_jax = eqx_kfac.kfac_jax
     optimizer = kfac_jax.Optimizer(
         jax.value_and_grad(_dict_loss), l2_reg=0.0, multi_device=True, use_adaptive_damping=True,
@@ -164,7 +159,7 @@ def test_the_kfac_jax_replicated_state_equals_the_compiled_program():
     params = kfac_jax.utils.replicate_all_local_devices(params)
     key = kfac_jax.utils.replicate_all_local_devices(jax.random.key(3))
     batch = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), _BATCH)
-    built, expected = _init_both_ways(optimizer, params, key, batch)
+    built, expected = _init_both_ways(monkeypatch, optimizer, params, key, batch)
     _same(built, expected)
     assert all(x.sharding.device_set == set(jax.local_devices()) for x in jax.tree.leaves(built) if eqx.is_array(x))
 

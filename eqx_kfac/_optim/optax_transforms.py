@@ -421,7 +421,7 @@ class _PreconditionerTransform(eqx.Module):
 
 # The states' programs run once: their constants made on the host, the rest compiled for compile time.
 _ONE_OFF = dict(ONE_OFF_COMPILER_OPTIONS)
-_NEW_STATE = host_built(lambda transform, params: transform._new_state(params), _ONE_OFF)
+_NEW_STATE = host_built(_PreconditionerTransform._new_state, _ONE_OFF)
 
 
 _OPTAX_NORM_CONSTRAINT = 0.1

@@ -119,8 +119,8 @@ def _host_values(jaxpr: Jaxpr, values: dict[Any, np.ndarray]) -> dict[Any, Any]:
             inner_values = _known(inner.jaxpr.constvars, inner.consts) | dict(zip(inner.jaxpr.invars, ins))
             _host_values(inner.jaxpr, inner_values)
             for o, i in zip(eqn.outvars, inner.jaxpr.outvars):
-                if _read(inner_values, i) is not None:
-                    values[o] = _read(inner_values, i)
+                if (value := _read(inner_values, i)) is not None:
+                    values[o] = value
         elif name in _RULES:
             (aval,) = (o.aval for o in eqn.outvars)
             try:
@@ -164,7 +164,10 @@ def _as_compiled(sharding: Any) -> Any:
     for entry in sharding.spec:
         names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None)
         kept = tuple(n for n in names if sharding.mesh.shape[n] > 1)
-        spec.append(None if not kept else kept[0] if len(kept) == 1 and not isinstance(entry, tuple) else kept)
+        if not kept:
+            spec.append(None)
+        else:
+            spec.append(kept if isinstance(entry, tuple) else kept[0])
     while spec and spec[-1] is None:
         spec.pop()
     return sharding.update(spec=jax.sharding.PartitionSpec(*spec))
@@ -224,8 +227,9 @@ def _plan(fn: Callable[..., Any], compiler_options: dict[str, Any], args: tuple[
 def _run(plan: _Plan, leaves: Sequence[Any]) -> list[Any]:
     """The plan's outputs: made on the host and put on the devices (two transfers: to the
     default device, and placed), and computed by the compiled program."""
-    values, _ = _host_outputs(plan.program)
-    outs: list[Any] = [None] * len(values)
+    outs: list[Any] = [None] * len(plan.program.jaxpr.outvars)
+    # (Nothing evaluated on the host for a plan that compiles every output.)
+    values = _host_outputs(plan.program)[0] if plan.host else []
     for placed in (False, True):
         ks = [k for k, sharding in plan.host.items() if (sharding is not None) == placed]
         if ks:
